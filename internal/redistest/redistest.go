@@ -1,0 +1,276 @@
+// Package redistest gives the module's tests a Redis to talk to: a real
+// redis-server started on a free 127.0.0.1 port (stopped by its pid), the
+// server named by SLOTBOOK_REDIS_URL, or, when redis-server is not on PATH,
+// an embedded miniredis, with a note saying so. With SLOTBOOK_REQUIRE_REDIS=1
+// a missing redis-server fails the tests instead.
+//
+// A test package calls Main from its TestMain; every test then calls
+// Shared(t).Client(t) for a client, and Prefix(t) for a key prefix of its
+// own, so tests can run in parallel against one server.
+package redistest
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+)
+
+// Server is a Redis the tests may use.
+type Server struct {
+	Addr string // host:port
+	Real bool   // a real redis-server (false: miniredis)
+
+	opts *redis.Options // from SLOTBOOK_REDIS_URL, if set
+	cmd  *exec.Cmd
+	done chan struct{} // closed when cmd has exited
+	dir  string
+	port int
+	mini *miniredis.Miniredis
+}
+
+var (
+	sharedOnce sync.Once
+	shared     *Server
+	sharedErr  error
+)
+
+// Main runs the package's tests and then stops the shared server.
+func Main(m *testing.M) {
+	code := m.Run()
+	if shared != nil {
+		shared.Stop()
+	}
+	os.Exit(code)
+}
+
+// Shared returns the server shared by the package's tests, starting it on
+// first use. It fails tb if no Redis can be had.
+func Shared(tb testing.TB) *Server {
+	tb.Helper()
+	sharedOnce.Do(func() { shared, sharedErr = start(true) })
+	if sharedErr != nil {
+		tb.Fatalf("redistest: %v", sharedErr)
+	}
+	return shared
+}
+
+// Start starts a redis-server of the test's own, stopped when the test ends.
+// It skips the test where there is no redis-server (fails it under
+// SLOTBOOK_REQUIRE_REDIS=1). Fault tests that kill or pause the server use it.
+func Start(tb testing.TB) *Server {
+	tb.Helper()
+	path, err := exec.LookPath("redis-server")
+	if err != nil {
+		missing(tb)
+	}
+	s, err := startReal(path, 0)
+	if err != nil {
+		tb.Fatalf("redistest: %v", err)
+	}
+	tb.Cleanup(s.Stop)
+	return s
+}
+
+// RequireReal skips the test, with the reason, unless s is a real
+// redis-server.
+func (s *Server) RequireReal(tb testing.TB) {
+	tb.Helper()
+	if !s.Real {
+		tb.Skip("redistest: needs a real redis-server; install one (or unset SLOTBOOK_REDIS_URL pointing elsewhere)")
+	}
+}
+
+// Client returns a client of s, closed when the test ends.
+func (s *Server) Client(tb testing.TB) *redis.Client {
+	tb.Helper()
+	c := redis.NewClient(s.Options())
+	tb.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+// Options returns client options for s.
+func (s *Server) Options() *redis.Options {
+	if s.opts != nil {
+		o := *s.opts
+		return &o
+	}
+	return &redis.Options{
+		Addr:                  s.Addr,
+		ContextTimeoutEnabled: true,
+		// Keep retries from hiding faults in tests that make them.
+		MaxRetries: -1,
+	}
+}
+
+// Port returns the server's TCP port.
+func (s *Server) Port() int { return s.port }
+
+// Pid returns the redis-server's process id, or 0 for miniredis.
+func (s *Server) Pid() int {
+	if s.cmd == nil || s.cmd.Process == nil {
+		return 0
+	}
+	return s.cmd.Process.Pid
+}
+
+// Restart starts a new redis-server on the same port after Stop (or a kill).
+func (s *Server) Restart(tb testing.TB) {
+	tb.Helper()
+	s.Stop()
+	path, err := exec.LookPath("redis-server")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	ns, err := startReal(path, s.port)
+	if err != nil {
+		tb.Fatalf("redistest: restart: %v", err)
+	}
+	s.cmd, s.done, s.dir = ns.cmd, ns.done, ns.dir
+}
+
+// Stop stops the server by its pid and waits for it to exit.
+func (s *Server) Stop() {
+	if s.mini != nil {
+		s.mini.Close()
+		return
+	}
+	if s.cmd == nil || s.cmd.Process == nil {
+		return
+	}
+	pid := s.cmd.Process.Pid
+	_ = syscall.Kill(pid, syscall.SIGCONT) // in case a test paused it
+	_ = syscall.Kill(pid, syscall.SIGTERM)
+	select {
+	case <-s.done:
+	case <-time.After(5 * time.Second):
+		_ = syscall.Kill(pid, syscall.SIGKILL)
+		<-s.done
+	}
+	s.cmd = nil
+	if s.dir != "" {
+		_ = os.RemoveAll(s.dir)
+	}
+}
+
+// Prefix returns a key prefix unique to the test, ending in ":".
+func Prefix(tb testing.TB) string {
+	tb.Helper()
+	return "t:" + strings.NewReplacer("/", ":", " ", "_").Replace(tb.Name()) + ":" +
+		strconv.FormatInt(time.Now().UnixNano(), 36) + ":"
+}
+
+func missing(tb testing.TB) {
+	tb.Helper()
+	if os.Getenv("SLOTBOOK_REQUIRE_REDIS") == "1" {
+		tb.Fatal("redistest: redis-server is not on PATH and SLOTBOOK_REQUIRE_REDIS=1")
+	}
+	tb.Skip("redistest: redis-server is not on PATH")
+}
+
+func start(sharedServer bool) (*Server, error) {
+	if u := os.Getenv("SLOTBOOK_REDIS_URL"); u != "" {
+		opts, err := redis.ParseURL(u)
+		if err != nil {
+			return nil, fmt.Errorf("SLOTBOOK_REDIS_URL: %w", err)
+		}
+		opts.ContextTimeoutEnabled = true
+		return &Server{Addr: opts.Addr, Real: true, opts: opts}, nil
+	}
+	path, err := exec.LookPath("redis-server")
+	if err != nil {
+		if os.Getenv("SLOTBOOK_REQUIRE_REDIS") == "1" {
+			return nil, fmt.Errorf("redis-server is not on PATH and SLOTBOOK_REQUIRE_REDIS=1")
+		}
+		m, err := miniredis.Run()
+		if err != nil {
+			return nil, err
+		}
+		fmt.Fprintln(os.Stderr, "redistest: redis-server not on PATH; using embedded miniredis (tests needing a real server skip)")
+		return &Server{Addr: m.Addr(), mini: m}, nil
+	}
+	return startReal(path, 0)
+}
+
+// startReal starts redis-server on port (0: a free one) and waits until it
+// answers PING.
+func startReal(path string, port int) (*Server, error) {
+	var lastErr error
+	for attempt := 0; attempt < 5; attempt++ {
+		p := port
+		if p == 0 {
+			var err error
+			if p, err = freePort(); err != nil {
+				return nil, err
+			}
+		}
+		s, err := launch(path, p)
+		if err == nil {
+			return s, nil
+		}
+		lastErr = err
+		if port != 0 {
+			time.Sleep(200 * time.Millisecond) // the old one may still hold it
+		}
+	}
+	return nil, lastErr
+}
+
+func launch(path string, port int) (*Server, error) {
+	dir, err := os.MkdirTemp("", "slotbook-redis-")
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(path,
+		"--port", strconv.Itoa(port), "--bind", "127.0.0.1",
+		"--save", "", "--appendonly", "no", "--dir", dir,
+		"--loglevel", "warning", "--logfile", "redis.log", "--daemonize", "no")
+	cmd.SysProcAttr = sysProcAttr()
+	if err := cmd.Start(); err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	s := &Server{Addr: net.JoinHostPort("127.0.0.1", strconv.Itoa(port)), Real: true,
+		cmd: cmd, done: make(chan struct{}), dir: dir, port: port}
+	go func() { _ = cmd.Wait(); close(s.done) }()
+	c := redis.NewClient(&redis.Options{Addr: s.Addr, MaxRetries: -1, DialTimeout: 200 * time.Millisecond})
+	defer c.Close()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+		err := c.Ping(ctx).Err()
+		cancel()
+		if err == nil {
+			return s, nil
+		}
+		if time.Now().After(deadline) {
+			s.Stop()
+			return nil, fmt.Errorf("redis-server on port %d did not answer: %w", port, err)
+		}
+		select {
+		case <-s.done:
+			os.RemoveAll(dir)
+			return nil, fmt.Errorf("redis-server on port %d exited: %w", port, err)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
