@@ -1,6 +1,8 @@
 // Package callcount counts the round trips a go-redis client makes, for the
 // tests, the demo and the benchmarks: a command is one call, and so is a
-// pipeline.
+// pipeline. The handshake of a new connection (HELLO, CLIENT SETINFO, AUTH,
+// SELECT) is not counted: it is paid once per pooled connection, not per
+// request.
 package callcount
 
 import (
@@ -32,7 +34,9 @@ func (c *Counter) DialHook(next redis.DialHook) redis.DialHook { return next }
 // ProcessHook implements redis.Hook.
 func (c *Counter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		c.n.Add(1)
+		if !handshake(cmd) {
+			c.n.Add(1)
+		}
 		return next(ctx, cmd)
 	}
 }
@@ -40,7 +44,20 @@ func (c *Counter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 // ProcessPipelineHook implements redis.Hook.
 func (c *Counter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
-		c.n.Add(1)
+		for _, cmd := range cmds {
+			if !handshake(cmd) {
+				c.n.Add(1)
+				break
+			}
+		}
 		return next(ctx, cmds)
 	}
+}
+
+func handshake(cmd redis.Cmder) bool {
+	switch cmd.Name() {
+	case "hello", "client", "auth", "select":
+		return true
+	}
+	return false
 }

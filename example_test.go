@@ -1,0 +1,56 @@
+package slotbook_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/slotbook/slotbook/reserve"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+// Ten calls a second with a burst of 5, shared by every process that uses
+// the name "stripe": the first six go at once, the seventh is booked 100ms
+// out, and a caller that will not wait that long is refused at once.
+func Example() {
+	mr, err := miniredis.Run() // any Redis; an embedded one keeps the example self-contained
+	if err != nil {
+		panic(err)
+	}
+	defer mr.Close()
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+
+	eng, err := throttle.New(rdb)
+	if err != nil {
+		panic(err)
+	}
+	lim, err := reserve.New(eng, "stripe", throttle.PerSecond(10, 5))
+	if err != nil {
+		panic(err)
+	}
+	ctx := context.Background()
+	for i := 0; i < 6; i++ {
+		if err := lim.Acquire(ctx, "tenant-42"); err != nil {
+			panic(err)
+		}
+	}
+	r, err := lim.Reserve(ctx, "tenant-42")
+	if err != nil {
+		panic(err)
+	}
+	d := r.Delay()
+	fmt.Println("7th booked:", r.OK(), "to wait up to 100ms:", d > 0 && d <= 100*time.Millisecond)
+
+	hurried, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer cancel()
+	err = lim.Acquire(hurried, "tenant-42")
+	fmt.Println("8th within 50ms:", errors.Is(err, reserve.ErrWouldExceedDeadline))
+	// Output:
+	// 7th booked: true to wait up to 100ms: true
+	// 8th within 50ms: true
+}

@@ -1,0 +1,96 @@
+package reserve
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/slotbook/slotbook/internal/redistest"
+	"github.com/slotbook/slotbook/internal/testhook"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+func TestMain(m *testing.M) { redistest.Main(m) }
+
+// fakeClock records sleeps instead of sleeping. With block set, Sleep waits
+// for the context instead.
+type fakeClock struct {
+	mu    sync.Mutex // guards now and slept
+	now   time.Time
+	slept []time.Duration
+	block bool
+}
+
+func (c *fakeClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+func (c *fakeClock) Sleep(ctx context.Context, d time.Duration) error {
+	c.mu.Lock()
+	c.slept = append(c.slept, d)
+	block := c.block
+	c.mu.Unlock()
+	if block {
+		<-ctx.Done()
+		return ctx.Err()
+	}
+	c.mu.Lock()
+	c.now = c.now.Add(d)
+	c.mu.Unlock()
+	return nil
+}
+
+func fakeLimiter(t *testing.T, limit throttle.Limit, opts ...Option) (*Limiter, *fakeClock) {
+	t.Helper()
+	rdb := redistest.Shared(t).Client(t)
+	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(5*time.Second))
+	require.NoError(t, err)
+	l, err := New(eng, "api", limit, opts...)
+	require.NoError(t, err)
+	fc := &fakeClock{now: time.Unix(1_000_000, 0)}
+	l.clock = fc
+	return l, fc
+}
+
+// TestAcquireSleepsTheBookedWait checks, with no real sleeping, that each
+// Acquire sleeps exactly the wait Redis booked for it.
+func TestAcquireSleepsTheBookedWait(t *testing.T) {
+	t.Parallel()
+	l, fc := fakeLimiter(t, throttle.PerSecond(10, 2))
+	ctx := testhook.WithNow(context.Background(), time.Now().UnixMicro())
+	for i := 0; i < 6; i++ {
+		require.NoError(t, l.Acquire(ctx, "k"))
+	}
+	want := []time.Duration{0, 0, 0, 100 * time.Millisecond, 200 * time.Millisecond, 300 * time.Millisecond}
+	require.Equal(t, want, fc.slept)
+}
+
+// TestWaitCancelRefunds checks that a context cancelled while sleeping
+// returns its error and gives the slot back to the next caller.
+func TestWaitCancelRefunds(t *testing.T) {
+	t.Parallel()
+	l, fc := fakeLimiter(t, throttle.PerSecond(10, 0))
+	now := time.Now().UnixMicro()
+	at := testhook.WithNow(context.Background(), now)
+	require.NoError(t, l.Acquire(at, "k")) // immediate
+	fc.block = true
+	ctx, cancel := context.WithCancel(at)
+	errc := make(chan error)
+	go func() { errc <- l.Acquire(ctx, "k") }()
+	require.Eventually(t, func() bool { fc.mu.Lock(); defer fc.mu.Unlock(); return len(fc.slept) == 2 },
+		5*time.Second, time.Millisecond)
+	cancel()
+	if err := <-errc; !errors.Is(err, context.Canceled) {
+		t.Fatalf("Acquire = %v, want context.Canceled", err)
+	}
+	r, err := l.Reserve(at, "k")
+	require.NoError(t, err)
+	require.True(t, r.OK())
+	require.Equal(t, 100*time.Millisecond, r.DelayFrom(fc.Now()), "the cancelled slot should be given back")
+}
