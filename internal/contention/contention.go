@@ -1,0 +1,211 @@
+// Package contention runs the seed experiment: N clients share one limit
+// for a while, each doing as many requests as it can, in one of several
+// modes. The demo and the benchmark command both print its results.
+package contention
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/slotbook/slotbook/reserve"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+// Config is one run's setting.
+type Config struct {
+	Clients  int
+	Limit    throttle.Limit
+	Duration time.Duration // clients start new requests only within it
+	MaxWait  time.Duration // reservation modes' max wait
+	// Calls returns the Redis round trips made so far by the client the
+	// limiter uses.
+	Calls func() int64
+	// Progress, if set, is called about four times a second with the
+	// requests through so far.
+	Progress func(elapsed time.Duration, through int)
+}
+
+// Result is one mode's outcome.
+type Result struct {
+	Mode            string            `json:"mode"`
+	Clients         int               `json:"clients"`
+	Limit           string            `json:"limit"`
+	Through         int               `json:"through"`     // requests that started
+	Calls           int64             `json:"redis_calls"` // Redis round trips
+	Denials         int               `json:"denials"`     // denied checks or refused bookings
+	CallsPerRequest float64           `json:"calls_per_request"`
+	MeanSpacing     time.Duration     `json:"mean_spacing_ns"` // between starts after the first burst
+	MinSpacing      time.Duration     `json:"min_spacing_ns"`  // between starts after the first burst
+	MaxBookedWait   time.Duration     `json:"max_booked_wait_ns"`
+	Elapsed         time.Duration     `json:"elapsed_ns"` // until the last request started
+	Starts          []time.Duration   `json:"-"`          // each start, from the run's beginning, sorted
+	ByClient        [][]time.Duration `json:"-"`          // each client's starts
+}
+
+// recorder collects starts from concurrent clients.
+type recorder struct {
+	t0       time.Time
+	mu       sync.Mutex // guards byClient, denials and maxWait
+	byClient [][]time.Duration
+	denials  int
+	maxWait  time.Duration
+	through  atomic.Int64
+}
+
+func newRecorder(clients int) *recorder {
+	return &recorder{t0: time.Now(), byClient: make([][]time.Duration, clients)}
+}
+
+func (r *recorder) start(client int) {
+	d := time.Since(r.t0)
+	r.through.Add(1)
+	r.mu.Lock()
+	r.byClient[client] = append(r.byClient[client], d)
+	r.mu.Unlock()
+}
+
+func (r *recorder) deny() {
+	r.mu.Lock()
+	r.denials++
+	r.mu.Unlock()
+}
+
+func (r *recorder) booked(wait time.Duration) {
+	r.mu.Lock()
+	r.maxWait = max(r.maxWait, wait)
+	r.mu.Unlock()
+}
+
+// Retry is retry-after-denial: each client checks, and on a denial sleeps
+// exactly the retry-after it was given and checks again.
+func Retry(ctx context.Context, lim *reserve.Limiter, key string, cfg Config) (Result, error) {
+	return run(ctx, "retry", cfg, func(ctx context.Context, rec *recorder, client int) error {
+		r, err := lim.Allow(ctx, key)
+		if err != nil {
+			return err
+		}
+		if !r.Allowed {
+			rec.deny()
+			return sleep(ctx, r.RetryAfter)
+		}
+		rec.start(client)
+		return nil
+	})
+}
+
+// Reserve is reservation: each client books the next slot with one call,
+// sleeps until it, and goes.
+func Reserve(ctx context.Context, lim *reserve.Limiter, key string, cfg Config) (Result, error) {
+	return run(ctx, "reserve", cfg, func(ctx context.Context, rec *recorder, client int) error {
+		r, err := lim.Reserve(ctx, key)
+		if err != nil {
+			return err
+		}
+		if !r.OK() {
+			rec.deny()
+			return sleep(ctx, r.RetryAfter()-cfg.MaxWait)
+		}
+		rec.booked(r.Delay())
+		if err := r.Wait(ctx); err != nil {
+			return err
+		}
+		rec.start(client)
+		return nil
+	})
+}
+
+// run drives cfg.Clients clients, each calling step until the duration is
+// over, and summarizes.
+func run(ctx context.Context, mode string, cfg Config, step func(context.Context, *recorder, int) error) (Result, error) {
+	if cfg.Clients <= 0 || cfg.Duration <= 0 {
+		return Result{}, errors.New("contention: clients and duration must be positive")
+	}
+	calls0 := cfg.Calls()
+	rec := newRecorder(cfg.Clients)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+
+	var (
+		wg       sync.WaitGroup
+		errOnce  sync.Once
+		firstErr error
+	)
+	for c := 0; c < cfg.Clients; c++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for ctx.Err() == nil && time.Since(rec.t0) < cfg.Duration {
+				if err := step(ctx, rec, c); err != nil {
+					errOnce.Do(func() { firstErr = err; cancel() })
+					return
+				}
+			}
+		}()
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	tick := time.NewTicker(250 * time.Millisecond)
+	defer tick.Stop()
+	for running := true; running; {
+		select {
+		case <-done:
+			running = false
+		case <-tick.C:
+			if cfg.Progress != nil {
+				cfg.Progress(time.Since(rec.t0), int(rec.through.Load()))
+			}
+		}
+	}
+	if firstErr != nil {
+		return Result{}, fmt.Errorf("%s: %w", mode, firstErr)
+	}
+	if err := ctx.Err(); err != nil {
+		return Result{}, err
+	}
+	return summarize(mode, cfg, rec, cfg.Calls()-calls0), nil
+}
+
+func summarize(mode string, cfg Config, rec *recorder, calls int64) Result {
+	res := Result{
+		Mode: mode, Clients: cfg.Clients, Limit: cfg.Limit.String(),
+		Calls: calls, Denials: rec.denials, MaxBookedWait: rec.maxWait,
+		ByClient: rec.byClient,
+	}
+	for _, s := range rec.byClient {
+		res.Starts = append(res.Starts, s...)
+	}
+	slices.Sort(res.Starts)
+	res.Through = len(res.Starts)
+	if res.Through > 0 {
+		res.CallsPerRequest = float64(calls) / float64(res.Through)
+		res.Elapsed = res.Starts[len(res.Starts)-1]
+	}
+	// Spacing is measured after the first burst, which passes at once.
+	if tail := res.Starts[min(cfg.Limit.Burst, len(res.Starts)):]; len(tail) > 1 {
+		res.MeanSpacing = (tail[len(tail)-1] - tail[0]) / time.Duration(len(tail)-1)
+		res.MinSpacing = tail[1] - tail[0]
+		for i := 2; i < len(tail); i++ {
+			res.MinSpacing = min(res.MinSpacing, tail[i]-tail[i-1])
+		}
+	}
+	return res
+}
+
+func sleep(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
