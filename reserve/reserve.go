@@ -219,6 +219,10 @@ func (r *Reservation) RetryAfter() time.Duration {
 	return 0
 }
 
+// Booking returns the engine's answer: the wait and slot as measured on the
+// Redis clock when the booking was made.
+func (r *Reservation) Booking() throttle.Booking { return r.booking }
+
 // SlotAt returns the local time at which the holder may act. It is the zero
 // Time for a refusal.
 func (r *Reservation) SlotAt() time.Time { return r.act }
