@@ -40,6 +40,10 @@ type Limiter struct {
 	maxWait time.Duration // deadline.NoCap when unset
 	work    time.Duration
 	clock   clock
+
+	coalesce bool
+	mu       sync.Mutex         // guards queues
+	queues   map[string]*queue // per engine key, while a call is in flight
 }
 
 // An Option configures a Limiter in New.
@@ -72,6 +76,16 @@ func WithWorkEstimate(d time.Duration) Option {
 	}
 }
 
+// WithCoalescing turns the sharing of Redis calls between concurrent
+// callers for one key on (the default) or off. Off, every ReserveN makes a
+// Redis call of its own.
+func WithCoalescing(on bool) Option {
+	return func(l *Limiter) error {
+		l.coalesce = on
+		return nil
+	}
+}
+
 // New returns a Limiter enforcing limit for each key under name, through
 // eng. It validates its arguments and makes no network call.
 func New(eng *throttle.Engine, name string, limit throttle.Limit, opts ...Option) (*Limiter, error) {
@@ -84,7 +98,10 @@ func New(eng *throttle.Engine, name string, limit throttle.Limit, opts ...Option
 	if err := limit.Validate(); err != nil {
 		return nil, err
 	}
-	l := &Limiter{eng: eng, name: name, limit: limit, maxWait: deadline.NoCap, clock: realClock{}}
+	l := &Limiter{
+		eng: eng, name: name, limit: limit, maxWait: deadline.NoCap, clock: realClock{},
+		coalesce: true, queues: make(map[string]*queue),
+	}
 	for _, opt := range opts {
 		if err := opt(l); err != nil {
 			return nil, err
@@ -99,7 +116,13 @@ func (l *Limiter) Name() string { return l.name }
 // Limit returns the limiter's Limit.
 func (l *Limiter) Limit() throttle.Limit { return l.limit }
 
-// Key returns the engine key (before the engine's prefix) for subject key.
+// MaxWait returns the configured max wait, and false if none is set.
+func (l *Limiter) MaxWait() (time.Duration, bool) {
+	return l.maxWait, l.maxWait != deadline.NoCap
+}
+
+// engineKey returns the engine key (before the engine's prefix) for
+// subject key.
 func (l *Limiter) engineKey(key string) (string, error) {
 	if key == "" {
 		return "", fmt.Errorf("%w: empty key", throttle.ErrInvalidRequest)
@@ -135,6 +158,10 @@ func (l *Limiter) Reserve(ctx context.Context, key string) (*Reservation, error)
 // booked and the Reservation is not OK: its Err says why and carries the
 // exact retry-after. A refusal is not an error; err is non-nil only for bad
 // input (no Redis call made), a done context, or a Redis failure.
+//
+// Concurrent calls for the same key share Redis calls (see WithCoalescing):
+// a caller alone is sent at once; callers arriving while a call is in
+// flight go together in the next one, each judged on its own budget.
 func (l *Limiter) ReserveN(ctx context.Context, key string, n int) (*Reservation, error) {
 	k, err := l.engineKey(key)
 	if err != nil {
@@ -146,29 +173,108 @@ func (l *Limiter) ReserveN(ctx context.Context, key string, n int) (*Reservation
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	budget, bound := deadline.Budget(ctx, l.clock.Now(), l.maxWait, l.work)
-	r := &Reservation{lim: l, key: k}
-	if budget < 0 {
-		r.err = deadline.Refuse(bound, budget, 0)
-		return r, nil
+	c := &call{ctx: ctx, n: n}
+	if l.coalesce {
+		return l.coalesced(k, c)
 	}
-	maxWait := budget
-	if maxWait == deadline.NoCap {
-		maxWait = throttle.Forever
-	}
-	b, err := l.eng.Book(ctx, k, l.limit, throttle.Request{N: n, MaxWait: maxWait})
+	l.book(ctx, k, []*call{c})
+	return c.res, c.err
+}
+
+// A BatchRequest is one request of ReserveBatch.
+type BatchRequest struct {
+	// Context bounds this request's wait by its deadline, as ReserveN's ctx
+	// does; nil means the batch's ctx.
+	Context context.Context
+	// N is the number of units, 1 to Burst+1.
+	N int
+}
+
+// ReserveBatch books reqs for key in order, in one Redis call, each judged
+// on its own budget exactly as ReserveN would judge it. It returns one
+// Reservation per request (a refused one is not OK), or an error for bad
+// input (nothing sent) or a Redis failure (nothing booked). It is what a
+// worker pool uses to book slots for its backlog.
+func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequest) ([]*Reservation, error) {
+	k, err := l.engineKey(key)
 	if err != nil {
 		return nil, err
 	}
-	r.booking = b
-	if !b.OK {
-		r.err = deadline.Refuse(bound, budget, b.Wait)
-		return r, nil
+	if len(reqs) == 0 || len(reqs) > throttle.MaxBatch {
+		return nil, fmt.Errorf("%w: batch of %d requests (want 1 to %d)", throttle.ErrInvalidRequest, len(reqs), throttle.MaxBatch)
 	}
-	// The wait was measured on the Redis clock at some point before the
-	// reply arrived; counting it from the arrival never starts early.
-	r.act = l.clock.Now().Add(b.Wait)
-	return r, nil
+	calls := make([]*call, len(reqs))
+	for i, r := range reqs {
+		if err := throttle.CheckRequest(throttle.Request{N: r.N}, l.limit); err != nil {
+			return nil, fmt.Errorf("request %d: %w", i, err)
+		}
+		c := &call{ctx: r.Context, n: r.N}
+		if c.ctx == nil {
+			c.ctx = ctx
+		}
+		calls[i] = c
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	l.book(ctx, k, calls)
+	out := make([]*Reservation, len(calls))
+	for i, c := range calls {
+		if c.err != nil {
+			return nil, c.err
+		}
+		out[i] = c.res
+	}
+	return out, nil
+}
+
+// book judges calls for key in one engine call (ctx bounds the call) and
+// sets each call's res or err. A call whose budget is already spent is
+// refused without being sent; if none is left, no call is made.
+func (l *Limiter) book(ctx context.Context, key string, calls []*call) {
+	now := l.clock.Now()
+	type sent struct {
+		c      *call
+		budget time.Duration
+		bound  error
+	}
+	var (
+		reqs []throttle.Request
+		out  []sent
+	)
+	for _, c := range calls {
+		budget, bound := deadline.Budget(c.ctx, now, l.maxWait, l.work)
+		if budget < 0 {
+			c.res = &Reservation{lim: l, key: key, err: deadline.Refuse(bound, budget, 0)}
+			continue
+		}
+		maxWait := budget
+		if maxWait == deadline.NoCap {
+			maxWait = throttle.Forever
+		}
+		reqs = append(reqs, throttle.Request{N: c.n, MaxWait: maxWait})
+		out = append(out, sent{c, budget, bound})
+	}
+	if len(reqs) == 0 {
+		return
+	}
+	bs, err := l.eng.BookBatch(ctx, key, l.limit, reqs)
+	// The waits were measured on the Redis clock at some point before the
+	// reply arrived; counting them from the arrival never starts early.
+	arrived := l.clock.Now()
+	for i, s := range out {
+		if err != nil {
+			s.c.err = err
+			continue
+		}
+		r := &Reservation{lim: l, key: key, booking: bs[i]}
+		if bs[i].OK {
+			r.act = arrived.Add(bs[i].Wait)
+		} else {
+			r.err = deadline.Refuse(s.bound, s.budget, bs[i].Wait)
+		}
+		s.c.res = r
+	}
 }
 
 // Acquire is shorthand for AcquireN(ctx, key, 1).

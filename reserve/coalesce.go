@@ -1,0 +1,136 @@
+package reserve
+
+import (
+	"context"
+	"time"
+
+	"github.com/slotbook/slotbook/throttle"
+)
+
+// Coalescing (group commit): at most one Redis call per key is in flight
+// from a Limiter. A caller that finds none in flight sends its request at
+// once, alone. Callers that arrive meanwhile queue; when the call returns,
+// its sender hands the whole queue (up to throttle.MaxBatch) to the first
+// of them, which sends it as one batch call and in turn hands on whatever
+// queued meanwhile. No goroutine is started: each batch is sent by one of
+// its own callers.
+
+// maxQueue bounds the callers queued for one key. Past it, callers make
+// calls of their own, uncoalesced.
+const maxQueue = 4 * throttle.MaxBatch
+
+// queue is the state of one key with a call in flight.
+type queue struct {
+	pending []*call
+}
+
+// call is one ReserveN caller.
+type call struct {
+	ctx context.Context
+	n   int
+
+	res *Reservation // set, or err, before done is closed
+	err error
+
+	done  chan struct{}
+	lead  chan []*call // receives the batch this caller must send
+	taken bool         // guarded by Limiter.mu: moved from pending into a batch
+}
+
+func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
+	l.mu.Lock()
+	q, busy := l.queues[key]
+	if !busy {
+		l.queues[key] = &queue{}
+		l.mu.Unlock()
+		l.send(c.ctx, key, []*call{c})
+		return c.finish()
+	}
+	if len(q.pending) >= maxQueue {
+		l.mu.Unlock()
+		l.book(c.ctx, key, []*call{c})
+		return c.res, c.err
+	}
+	c.done = make(chan struct{})
+	c.lead = make(chan []*call, 1)
+	q.pending = append(q.pending, c)
+	l.mu.Unlock()
+
+	select {
+	case batch := <-c.lead:
+		l.send(c.ctx, key, batch)
+		return c.finish()
+	case <-c.done:
+		return c.finish()
+	case <-c.ctx.Done():
+	}
+
+	// Cancelled while queued: leave the queue if the batch has not taken us.
+	l.mu.Lock()
+	if !c.taken {
+		for i, p := range q.pending {
+			if p == c {
+				q.pending = append(q.pending[:i], q.pending[i+1:]...)
+				break
+			}
+		}
+		l.mu.Unlock()
+		return nil, c.ctx.Err()
+	}
+	l.mu.Unlock()
+	// Taken: our request is in a batch. Send it if we lead, else wait for
+	// it; then give back anything booked for us.
+	select {
+	case batch := <-c.lead:
+		l.send(c.ctx, key, batch)
+	case <-c.done:
+	}
+	return c.finish()
+}
+
+// finish returns the call's outcome once its batch is back. A caller whose
+// context ended meanwhile gets the context's error, and anything booked for
+// it is given back.
+func (c *call) finish() (*Reservation, error) {
+	err := c.ctx.Err()
+	if err == nil {
+		return c.res, c.err
+	}
+	if c.res != nil && c.res.OK() {
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(c.ctx), time.Second)
+		_ = c.res.Cancel(ctx)
+		cancel()
+	}
+	return nil, err
+}
+
+// send books batch (whose callers are all taken) in one call, wakes its
+// callers, and hands the queue that built up meanwhile to its first caller,
+// or marks the key idle.
+func (l *Limiter) send(ctx context.Context, key string, batch []*call) {
+	// The batch serves callers other than the sender: the sender's
+	// cancellation must not fail their call (the engine's timeout bounds it).
+	l.book(context.WithoutCancel(ctx), key, batch)
+	for _, c := range batch {
+		if c.done != nil {
+			close(c.done)
+		}
+	}
+
+	l.mu.Lock()
+	q := l.queues[key]
+	if len(q.pending) == 0 {
+		delete(l.queues, key)
+		l.mu.Unlock()
+		return
+	}
+	n := min(len(q.pending), throttle.MaxBatch)
+	next := make([]*call, n)
+	copy(next, q.pending)
+	q.pending = append(q.pending[:0], q.pending[n:]...)
+	for _, c := range next {
+		c.taken = true
+	}
+	l.mu.Unlock()
+	next[0].lead <- next
+}

@@ -1,0 +1,164 @@
+package reserve_test
+
+import (
+	"context"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/slotbook/slotbook/internal/testhook"
+	"github.com/slotbook/slotbook/reserve"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+// TestCoalescingBooksEveryCaller: 64 goroutines reserving at one frozen
+// instant must get exactly the waits one-by-one booking would give (burst+1
+// zeros, then one interval apart), in fewer Redis calls than reservations.
+func TestCoalescingBooksEveryCaller(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	limit := throttle.PerSecond(1000, 9) // I = 1ms
+	l := e.limiter(t, limit)
+	ctx := testhook.WithNow(context.Background(), time.Now().UnixMicro())
+	require.NoError(t, e.eng.Load(ctx))
+
+	const goroutines, each = 64, 20
+	var (
+		mu    sync.Mutex // guards waits
+		waits []time.Duration
+		wg    sync.WaitGroup
+	)
+	before := e.calls.Load()
+	for g := 0; g < goroutines; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; i < each; i++ {
+				r, err := l.Reserve(ctx, "k")
+				if err != nil || !r.OK() {
+					t.Errorf("Reserve: %v, %v", r, err)
+					return
+				}
+				mu.Lock()
+				waits = append(waits, r.Booking().Wait)
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	calls := e.calls.Load() - before
+	slices.Sort(waits)
+	for i, w := range waits {
+		want := time.Duration(max(0, i-limit.Burst)) * time.Millisecond
+		if w != want {
+			t.Fatalf("wait %d = %v, want %v", i, w, want)
+		}
+	}
+	t.Logf("%d reservations in %d Redis calls", len(waits), calls)
+	require.Less(t, calls, int64(len(waits)), "coalescing should share calls")
+}
+
+// gate blocks script calls while armed, one at a time, so tests can hold a
+// call in flight.
+type gate struct {
+	armed   atomic.Bool
+	entered chan struct{}
+	release chan struct{}
+}
+
+func newGate(rdb *redis.Client) *gate {
+	g := &gate{entered: make(chan struct{}, 16), release: make(chan struct{})}
+	rdb.AddHook(g)
+	return g
+}
+
+func (g *gate) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (g *gate) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+func (g *gate) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if g.armed.Load() && (cmd.Name() == "evalsha" || cmd.Name() == "eval") {
+			g.entered <- struct{}{}
+			<-g.release
+		}
+		return next(ctx, cmd)
+	}
+}
+
+// TestCoalescingCancelledWhileQueued: a caller cancelled before its batch
+// is sent leaves the queue and books nothing; the others are unaffected.
+func TestCoalescingCancelledWhileQueued(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	g := newGate(e.rdb)
+	l := e.limiter(t, throttle.PerSecond(10, 0))
+	base := testhook.WithNow(context.Background(), time.Now().UnixMicro())
+	require.NoError(t, e.eng.Load(base))
+	g.armed.Store(true)
+
+	type result struct {
+		r   *reserve.Reservation
+		err error
+	}
+	reserveAsync := func(ctx context.Context) chan result {
+		ch := make(chan result, 1)
+		go func() { r, err := l.Reserve(ctx, "k"); ch <- result{r, err} }()
+		return ch
+	}
+	a := reserveAsync(base)
+	<-g.entered // a is in flight
+	bctx, cancelB := context.WithCancel(base)
+	b := reserveAsync(bctx)
+	c := reserveAsync(base)
+	time.Sleep(50 * time.Millisecond) // let b and c queue
+	cancelB()
+	rb := <-b
+	require.ErrorIs(t, rb.err, context.Canceled)
+
+	g.release <- struct{}{} // a's call returns; c's batch is sent
+	<-g.entered
+	g.armed.Store(false)
+	g.release <- struct{}{}
+	ra, rc := <-a, <-c
+	require.NoError(t, ra.err)
+	require.NoError(t, rc.err)
+	require.Equal(t, time.Duration(0), ra.r.Booking().Wait)
+	require.Equal(t, 100*time.Millisecond, rc.r.Booking().Wait, "b booked nothing, so c comes right after a")
+}
+
+// TestCoalescingCancelledInFlight: a caller cancelled while its batch is in
+// flight returns its context's error and gives its slot back.
+func TestCoalescingCancelledInFlight(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	g := newGate(e.rdb)
+	l := e.limiter(t, throttle.PerSecond(10, 0))
+	base := testhook.WithNow(context.Background(), time.Now().UnixMicro())
+	require.NoError(t, e.eng.Load(base))
+	g.armed.Store(true)
+
+	errs := make(chan error, 2)
+	go func() { _, err := l.Reserve(base, "k"); errs <- err }()
+	<-g.entered // first call in flight
+	bctx, cancelB := context.WithCancel(base)
+	go func() { _, err := l.Reserve(bctx, "k"); errs <- err }()
+	time.Sleep(50 * time.Millisecond) // b queues
+	g.release <- struct{}{}            // first returns; b's batch is sent...
+	<-g.entered                        // ...and held in flight
+	cancelB()
+	g.armed.Store(false)
+	g.release <- struct{}{}
+	got := []error{<-errs, <-errs}
+	require.Contains(t, got, nil)
+	require.Contains(t, got, context.Canceled)
+
+	r, err := l.Reserve(base, "k")
+	require.NoError(t, err)
+	require.Equal(t, 100*time.Millisecond, r.Booking().Wait, "b's slot was given back")
+}
