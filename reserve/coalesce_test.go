@@ -149,8 +149,8 @@ func TestCoalescingCancelledInFlight(t *testing.T) {
 	bctx, cancelB := context.WithCancel(base)
 	go func() { _, err := l.Reserve(bctx, "k"); errs <- err }()
 	time.Sleep(50 * time.Millisecond) // b queues
-	g.release <- struct{}{}            // first returns; b's batch is sent...
-	<-g.entered                        // ...and held in flight
+	g.release <- struct{}{}           // first returns; b's batch is sent...
+	<-g.entered                       // ...and held in flight
 	cancelB()
 	g.armed.Store(false)
 	g.release <- struct{}{}

@@ -42,7 +42,7 @@ type Limiter struct {
 	clock   clock
 
 	coalesce bool
-	mu       sync.Mutex         // guards queues
+	mu       sync.Mutex        // guards queues
 	queues   map[string]*queue // per engine key, while a call is in flight
 }
 
