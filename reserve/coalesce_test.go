@@ -60,7 +60,7 @@ func TestCoalescingBooksEveryCaller(t *testing.T) {
 		}
 	}
 	t.Logf("%d reservations in %d Redis calls", len(waits), calls)
-	require.Less(t, calls, int64(len(waits)), "coalescing should share calls")
+	require.LessOrEqual(t, float64(calls)/float64(len(waits)), 0.3, "coalesced calls per reservation")
 }
 
 // gate blocks script calls while armed, one at a time, so tests can hold a

@@ -121,6 +121,14 @@ func (l *Limiter) MaxWait() (time.Duration, bool) {
 	return l.maxWait, l.maxWait != deadline.NoCap
 }
 
+// CheckKey reports whether key is an acceptable subject key: not empty,
+// and not so long that the engine would refuse it. The error matches
+// throttle.ErrInvalidRequest.
+func (l *Limiter) CheckKey(key string) error {
+	_, err := l.engineKey(key)
+	return err
+}
+
 // engineKey returns the engine key (before the engine's prefix) for
 // subject key.
 func (l *Limiter) engineKey(key string) (string, error) {

@@ -24,7 +24,7 @@ type env struct {
 	prefix string
 }
 
-func newEnv(t *testing.T) *env {
+func newEnv(t testing.TB) *env {
 	t.Helper()
 	rdb := redistest.Shared(t).Client(t)
 	calls := callcount.Attach(rdb)

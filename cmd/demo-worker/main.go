@@ -17,11 +17,13 @@ import (
 	"os/signal"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"text/tabwriter"
 	"time"
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/slotbook/slotbook/internal/callcount"
 	"github.com/slotbook/slotbook/internal/contention"
@@ -54,7 +56,7 @@ type options struct {
 	quiet    bool
 }
 
-var allModes = []string{"retry", "reserve"}
+var allModes = []string{"retry", "reserve", "pool"}
 
 // run is main without the process: it returns the exit code (2 for bad
 // flags).
@@ -124,62 +126,131 @@ func demo(ctx context.Context, o options, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer closeRedis()
-	rdb := redis.NewClient(ropts)
-	defer rdb.Close()
-	calls := callcount.Attach(rdb)
-
+	limit := throttle.Every(o.period, o.rate, o.burst)
 	// A prefix of its own, so runs against a shared Redis never meet.
 	prefix := "slotbook-demo:" + strconv.FormatInt(time.Now().UnixNano(), 36) + ":"
-	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(time.Second))
-	if err != nil {
-		return err
-	}
-	if err := eng.Load(ctx); err != nil {
-		return fmt.Errorf("%s: %w", where, err)
-	}
-	limit := throttle.Every(o.period, o.rate, o.burst)
-	lim, err := reserve.New(eng, "demo", limit, reserve.WithMaxWait(o.maxWait))
-	if err != nil {
-		return err
+
+	// The modes run side by side, each on a key and a Redis client of its
+	// own, so each counts only its own calls.
+	runs := make([]*modeRun, len(o.modes))
+	for i, mode := range o.modes {
+		r, err := newModeRun(ctx, mode, ropts, prefix, limit, o)
+		if err != nil {
+			return fmt.Errorf("%s: %w", where, err)
+		}
+		defer r.rdb.Close()
+		runs[i] = r
 	}
 	if !o.json {
 		fmt.Fprintf(stdout, "slotbook demo: %d clients share %v for %v (%s)\n\n", o.clients, limit, o.duration, where)
 	}
-	var results []contention.Result
-	for _, mode := range o.modes {
-		cfg := contention.Config{
-			Clients: o.clients, Limit: limit, Duration: o.duration, MaxWait: o.maxWait,
-			Calls: calls.Load,
-		}
-		if !o.quiet {
-			cfg.Progress = func(elapsed time.Duration, through int) {
-				fmt.Fprintf(stderr, "\r%-8s %5.1fs  %4d through", mode, elapsed.Seconds(), through)
-			}
-		}
-		var res contention.Result
-		switch mode {
-		case "retry":
-			res, err = contention.Retry(ctx, lim, mode, cfg)
-		case "reserve":
-			res, err = contention.Reserve(ctx, lim, mode, cfg)
-		}
-		if !o.quiet {
-			fmt.Fprint(stderr, "\r\033[K")
-		}
-		if err != nil {
-			return err
-		}
-		results = append(results, res)
-		if o.json {
-			if err := json.NewEncoder(stdout).Encode(res); err != nil {
+
+	g, gctx := errgroup.WithContext(ctx)
+	for _, r := range runs {
+		g.Go(func() error { return r.run(gctx) })
+	}
+	stopProgress := func() {}
+	if !o.quiet {
+		stopProgress = progress(stderr, runs)
+	}
+	err = g.Wait()
+	stopProgress()
+	if err != nil {
+		return err
+	}
+
+	results := make([]contention.Result, len(runs))
+	for i, r := range runs {
+		results[i] = r.res
+	}
+	if o.json {
+		enc := json.NewEncoder(stdout)
+		for _, res := range results {
+			if err := enc.Encode(res); err != nil {
 				return err
 			}
 		}
+		return nil
 	}
-	if !o.json {
-		printTable(stdout, results)
-	}
+	printTable(stdout, results)
 	return nil
+}
+
+// modeRun is one mode's experiment with its own client.
+type modeRun struct {
+	mode    string
+	rdb     *redis.Client
+	lim     *reserve.Limiter
+	cfg     contention.Config
+	through atomic.Int64
+	res     contention.Result
+}
+
+func newModeRun(ctx context.Context, mode string, ropts *redis.Options, prefix string, limit throttle.Limit, o options) (*modeRun, error) {
+	rdb := redis.NewClient(ropts)
+	calls := callcount.Attach(rdb)
+	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(time.Second))
+	if err == nil {
+		err = eng.Load(ctx)
+	}
+	var lim *reserve.Limiter
+	if err == nil {
+		// Each client stands for a process of its own, so the limiter does
+		// not coalesce their calls (coalescing shares calls within one
+		// process; the pool mode shows what a process can save).
+		lim, err = reserve.New(eng, "demo", limit, reserve.WithMaxWait(o.maxWait), reserve.WithCoalescing(false))
+	}
+	if err != nil {
+		rdb.Close()
+		return nil, err
+	}
+	r := &modeRun{mode: mode, rdb: rdb, lim: lim}
+	r.cfg = contention.Config{
+		Clients: o.clients, Limit: limit, Duration: o.duration, MaxWait: o.maxWait,
+		Calls:    calls.Load,
+		Progress: func(_ time.Duration, through int) { r.through.Store(int64(through)) },
+	}
+	return r, nil
+}
+
+func (r *modeRun) run(ctx context.Context) error {
+	var err error
+	switch r.mode {
+	case "retry":
+		r.res, err = contention.Retry(ctx, r.lim, r.mode, r.cfg)
+	case "reserve":
+		r.res, err = contention.Reserve(ctx, r.lim, r.mode, r.cfg)
+	case "pool":
+		r.res, err = contention.Pool(ctx, r.lim, r.mode, r.cfg)
+	}
+	r.through.Store(int64(r.res.Through))
+	return err
+}
+
+// progress prints a line of the requests through per mode until stopped.
+func progress(w io.Writer, runs []*modeRun) (stop func()) {
+	done := make(chan struct{})
+	finished := make(chan struct{})
+	t0 := time.Now()
+	go func() {
+		defer close(finished)
+		tick := time.NewTicker(250 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			select {
+			case <-done:
+				fmt.Fprint(w, "\r\033[K")
+				return
+			case <-tick.C:
+				line := fmt.Sprintf("%5.1fs", time.Since(t0).Seconds())
+				for _, r := range runs {
+					line += fmt.Sprintf("   %s %d through", r.mode, r.through.Load())
+				}
+				fmt.Fprint(w, "\r"+line)
+			}
+		}
+	}()
+	return func() { close(done); <-finished }
 }
 
 // connect returns client options for url, or for an embedded Redis when

@@ -35,7 +35,7 @@ func TestBadFlags(t *testing.T) {
 	}
 }
 
-// TestDemoJSON runs both modes briefly on a real Redis and checks the
+// TestDemoJSON runs the three modes briefly on a real Redis and checks the
 // headline: reservation costs one call per request, retrying costs more.
 func TestDemoJSON(t *testing.T) {
 	srv := redistest.Shared(t)
@@ -52,12 +52,15 @@ func TestDemoJSON(t *testing.T) {
 		require.NoError(t, dec.Decode(&r))
 		got[r.Mode] = r
 	}
-	require.Len(t, got, 2)
-	res, retry := got["reserve"], got["retry"]
+	require.Len(t, got, 3)
+	res, retry, pl := got["reserve"], got["retry"], got["pool"]
 	require.Positive(t, res.Through)
 	require.Equal(t, 1.0, res.CallsPerRequest, "reservation: one call per request")
 	require.Zero(t, res.Denials)
 	require.Greater(t, retry.CallsPerRequest, 3.0, "retry-after-denial stampedes")
+	require.Positive(t, pl.Through)
+	require.Less(t, pl.CallsPerRequest, 1.0, "the pool books in batches")
+	require.Zero(t, pl.Denials)
 }
 
 // TestDemoTable runs the default table output on the embedded Redis.

@@ -12,6 +12,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/slotbook/slotbook/deadline"
+	"github.com/slotbook/slotbook/pool"
 	"github.com/slotbook/slotbook/reserve"
 	"github.com/slotbook/slotbook/throttle"
 )
@@ -116,6 +118,35 @@ func Reserve(ctx context.Context, lim *reserve.Limiter, key string, cfg Config) 
 		}
 		rec.start(client)
 		return nil
+	})
+}
+
+// Pool is the worker pool: a pool with one worker per client books slots
+// for its backlog in batches; each client submits a job and waits for it,
+// then submits the next.
+func Pool(ctx context.Context, lim *reserve.Limiter, key string, cfg Config) (Result, error) {
+	p, err := pool.New(lim, pool.WithWorkers(cfg.Clients))
+	if err != nil {
+		return Result{}, err
+	}
+	defer p.Close(context.WithoutCancel(ctx))
+	return run(ctx, "pool", cfg, func(ctx context.Context, rec *recorder, client int) error {
+		j, err := p.Submit(ctx, key, func(context.Context) error {
+			rec.start(client)
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		err = j.Wait(ctx)
+		if r := j.Reservation(); r != nil && r.OK() {
+			rec.booked(r.Booking().Wait)
+		}
+		if errors.Is(err, deadline.ErrMaxWaitExceeded) || errors.Is(err, deadline.ErrWouldExceedDeadline) {
+			rec.deny()
+			return nil
+		}
+		return err
 	})
 }
 

@@ -24,6 +24,7 @@ import (
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
 )
 
 // Server is a Redis the tests may use.
@@ -45,11 +46,18 @@ var (
 	sharedErr  error
 )
 
-// Main runs the package's tests and then stops the shared server.
+// Main runs the package's tests, stops the shared server, and then fails
+// the run if any goroutine is left behind (go.uber.org/goleak).
 func Main(m *testing.M) {
 	code := m.Run()
 	if shared != nil {
 		shared.Stop()
+	}
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintf(os.Stderr, "goroutines left behind after the tests: %v\n", err)
+			code = 1
+		}
 	}
 	os.Exit(code)
 }
