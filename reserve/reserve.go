@@ -63,6 +63,15 @@ func WithMaxWait(d time.Duration) Option {
 	}
 }
 
+// WithoutMaxWait removes the cap on the wait: only the context's deadline
+// bounds it (the default). Useful with Limiter.With.
+func WithoutMaxWait() Option {
+	return func(l *Limiter) error {
+		l.maxWait = deadline.NoCap
+		return nil
+	}
+}
+
 // WithWorkEstimate sets how long the work after the slot is expected to
 // take. It is subtracted from the context's deadline: a request whose slot
 // would not leave that much time is refused with ErrWouldExceedDeadline.
@@ -108,6 +117,19 @@ func New(eng *throttle.Engine, name string, limit throttle.Limit, opts ...Option
 		}
 	}
 	return l, nil
+}
+
+// With returns a Limiter sharing l's engine, name and limit (and so its
+// quota) with opts applied over l's own options: for example a different
+// max wait for one kind of caller.
+func (l *Limiter) With(opts ...Option) (*Limiter, error) {
+	base := []Option{WithMaxWait(l.maxWait), WithWorkEstimate(l.work), WithCoalescing(l.coalesce)}
+	nl, err := New(l.eng, l.name, l.limit, append(base, opts...)...)
+	if err != nil {
+		return nil, err
+	}
+	nl.clock = l.clock
+	return nl, nil
 }
 
 // Name returns the limiter's name.

@@ -211,3 +211,27 @@ func TestAllow(t *testing.T) {
 		require.Equal(t, want, r.Allowed)
 	}
 }
+
+func TestWithSharesTheQuota(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	l := e.limiter(t, throttle.PerSecond(10, 0), reserve.WithMaxWait(0))
+	patient, err := l.With(reserve.WithoutMaxWait())
+	require.NoError(t, err)
+	_, err = l.With(reserve.WithMaxWait(-1))
+	require.Error(t, err)
+	if d, ok := patient.MaxWait(); ok {
+		t.Fatalf("MaxWait() = %v, true; want no cap", d)
+	}
+	ctx := testhook.WithNow(context.Background(), time.Now().UnixMicro())
+	r, err := l.Reserve(ctx, "k")
+	require.NoError(t, err)
+	require.True(t, r.OK())
+	r, err = l.Reserve(ctx, "k")
+	require.NoError(t, err)
+	require.False(t, r.OK(), "no wait allowed")
+	r, err = patient.Reserve(ctx, "k")
+	require.NoError(t, err)
+	require.True(t, r.OK())
+	require.Equal(t, 100*time.Millisecond, r.Booking().Wait, "same quota, same key")
+}

@@ -1,0 +1,392 @@
+package asynqadapter_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/slotbook/slotbook/asynqadapter"
+	"github.com/slotbook/slotbook/deadline"
+	"github.com/slotbook/slotbook/internal/callcount"
+	"github.com/slotbook/slotbook/internal/redistest"
+	"github.com/slotbook/slotbook/reserve"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+func TestMain(m *testing.M) { redistest.Main(m) }
+
+type env struct {
+	rdb    *redis.Client
+	calls  *callcount.Counter
+	eng    *throttle.Engine
+	prefix string
+}
+
+func newEnv(t *testing.T) *env {
+	t.Helper()
+	rdb := redistest.Shared(t).Client(t)
+	calls := callcount.Attach(rdb)
+	prefix := redistest.Prefix(t)
+	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
+	require.NoError(t, err)
+	require.NoError(t, eng.Load(context.Background()))
+	return &env{rdb: rdb, calls: calls, eng: eng, prefix: prefix}
+}
+
+func (e *env) limiter(t *testing.T, limit throttle.Limit, opts ...reserve.Option) *reserve.Limiter {
+	t.Helper()
+	l, err := reserve.New(e.eng, "tasks", limit, opts...)
+	require.NoError(t, err)
+	return l
+}
+
+// fill books n slots on key so the next one is n-burst-1 intervals away.
+func fill(t *testing.T, l *reserve.Limiter, key string, n int) {
+	t.Helper()
+	patient, err := l.With(reserve.WithoutMaxWait())
+	require.NoError(t, err)
+	for i := 0; i < n; i++ {
+		r, err := patient.Reserve(context.Background(), key)
+		require.NoError(t, err)
+		require.True(t, r.OK())
+	}
+}
+
+var noop = asynq.HandlerFunc(func(context.Context, *asynq.Task) error { return nil })
+
+func TestRefusalError(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	l := e.limiter(t, throttle.PerSecond(10, 0), reserve.WithMaxWait(250*time.Millisecond))
+	fill(t, l, "email", 6) // next slot ~600ms away
+	h := asynqadapter.Middleware(l, asynqadapter.WithSpread(false))(noop)
+	err := h.ProcessTask(context.Background(), asynq.NewTask("email", nil))
+
+	var rl *asynqadapter.RateLimitedError
+	require.ErrorAs(t, err, &rl)
+	require.ErrorIs(t, err, deadline.ErrMaxWaitExceeded)
+	require.Equal(t, "email", rl.Key)
+	// It fits once the queue is no longer than the 250ms max wait.
+	require.InDelta(t, float64(350*time.Millisecond), float64(rl.RetryAfter), float64(50*time.Millisecond))
+	require.True(t, asynqadapter.IsRateLimited(fmt.Errorf("wrapped: %w", err)))
+	require.False(t, asynqadapter.IsFailure(err), "a refusal is not a failure")
+	require.True(t, asynqadapter.IsFailure(errors.New("boom")))
+	require.False(t, asynqadapter.IsFailure(nil))
+
+	delay := asynqadapter.RetryDelayFunc(nil)
+	d := delay(3, err, asynq.NewTask("email", nil))
+	require.GreaterOrEqual(t, d, rl.RetryAfter)
+	require.Less(t, d, rl.RetryAfter+time.Second+10*time.Millisecond)
+	require.Zero(t, time.Now().Add(d).Nanosecond()/int(10*time.Millisecond), "ends on a whole second")
+	other := errors.New("boom")
+	task := asynq.NewTask("email", nil)
+	// Other errors get asynq's default: 15 s plus up to 30 s of jitter on a first retry.
+	if d := delay(0, other, task); d < 15*time.Second || d > 46*time.Second {
+		t.Fatalf("delegated delay %v, want asynq's default", d)
+	}
+	custom := asynqadapter.RetryDelayFunc(func(int, error, *asynq.Task) time.Duration { return 42 * time.Second })
+	require.Equal(t, 42*time.Second, custom(0, other, task))
+}
+
+// TestSpread: tasks refused together get return times one interval apart.
+func TestSpread(t *testing.T) {
+	t.Parallel()
+	for _, spread := range []bool{true, false} {
+		t.Run(fmt.Sprint("spread=", spread), func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			l := e.limiter(t, throttle.PerSecond(10, 0), reserve.WithMaxWait(0))
+			fill(t, l, "sync", 1)
+			h := asynqadapter.Middleware(l, asynqadapter.WithSpread(spread))(noop)
+			var backs []time.Duration
+			for i := 0; i < 8; i++ {
+				var rl *asynqadapter.RateLimitedError
+				require.ErrorAs(t, h.ProcessTask(context.Background(), asynq.NewTask("sync", nil)), &rl)
+				backs = append(backs, rl.RetryAfter)
+			}
+			if !spread {
+				for _, b := range backs {
+					require.InDelta(t, float64(backs[0]), float64(b), float64(20*time.Millisecond), "all the same")
+				}
+				return
+			}
+			// Base times one interval apart, plus up to one interval of jitter.
+			span := slices.Max(backs) - slices.Min(backs)
+			require.GreaterOrEqual(t, span, 6*100*time.Millisecond)
+			require.LessOrEqual(t, span, 8*100*time.Millisecond+20*time.Millisecond)
+		})
+	}
+}
+
+func TestKeys(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name string
+		opt  []asynqadapter.Option
+		ctx  context.Context
+		want string
+	}{
+		{"by type", nil, context.Background(), "tasks:email:welcome"},
+		{"by queue outside a server", []asynqadapter.Option{asynqadapter.WithKey(asynqadapter.ByQueue)}, context.Background(), "tasks:default"},
+		{"by payload", []asynqadapter.Option{asynqadapter.WithKey(func(_ context.Context, t *asynq.Task) string {
+			return "tenant-" + string(t.Payload())
+		})}, context.Background(), "tasks:tenant-42"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			l := e.limiter(t, throttle.PerSecond(10, 0))
+			h := asynqadapter.Middleware(l, tc.opt...)(noop)
+			require.NoError(t, h.ProcessTask(tc.ctx, asynq.NewTask("email:welcome", []byte("42"))))
+			keys, err := e.rdb.Keys(context.Background(), e.prefix+"*").Result()
+			require.NoError(t, err)
+			require.Equal(t, []string{e.prefix + tc.want}, keys)
+		})
+	}
+}
+
+func TestMaxWaitOption(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	l := e.limiter(t, throttle.PerSecond(10, 0)) // no cap of its own
+	fill(t, l, "k", 2)
+	h := asynqadapter.Middleware(l, asynqadapter.WithMaxWait(50*time.Millisecond))(noop)
+	err := h.ProcessTask(context.Background(), asynq.NewTask("k", nil))
+	require.ErrorIs(t, err, deadline.ErrMaxWaitExceeded)
+	// The handler's deadline bounds the wait too.
+	h = asynqadapter.Middleware(l)(noop)
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	err = h.ProcessTask(ctx, asynq.NewTask("k", nil))
+	require.ErrorIs(t, err, deadline.ErrWouldExceedDeadline)
+	require.True(t, asynqadapter.IsRateLimited(err))
+}
+
+func TestWaitsThenRuns(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	l := e.limiter(t, throttle.PerSecond(10, 0), reserve.WithMaxWait(time.Second))
+	fill(t, l, "k", 1)
+	ran := time.Time{}
+	h := asynqadapter.Middleware(l)(asynq.HandlerFunc(func(context.Context, *asynq.Task) error {
+		ran = time.Now()
+		return errors.New("task's own error")
+	}))
+	start := time.Now()
+	err := h.ProcessTask(context.Background(), asynq.NewTask("k", nil))
+	require.EqualError(t, err, "task's own error")
+	require.GreaterOrEqual(t, ran.Sub(start), 80*time.Millisecond, "waited for the slot")
+
+	// Cancelled while waiting: the context's error, and the task never runs.
+	ran = time.Time{}
+	ctx, cancel := context.WithCancel(context.Background())
+	time.AfterFunc(20*time.Millisecond, cancel)
+	err = h.ProcessTask(ctx, asynq.NewTask("k", nil))
+	require.ErrorIs(t, err, context.Canceled)
+	require.True(t, ran.IsZero())
+}
+
+func TestRedisFailureIsAFailure(t *testing.T) {
+	t.Parallel()
+	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
+	t.Cleanup(func() { rdb.Close() })
+	eng, err := throttle.New(rdb)
+	require.NoError(t, err)
+	l, err := reserve.New(eng, "tasks", throttle.PerSecond(10, 0))
+	require.NoError(t, err)
+	err = asynqadapter.Middleware(l)(noop).ProcessTask(context.Background(), asynq.NewTask("k", nil))
+	require.Error(t, err)
+	require.False(t, asynqadapter.IsRateLimited(err))
+	require.True(t, asynqadapter.IsFailure(err))
+}
+
+func TestBadOptionsPanic(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	l := e.limiter(t, throttle.PerSecond(10, 0))
+	for name, f := range map[string]func(){
+		"nil limiter":       func() { asynqadapter.Middleware(nil) },
+		"negative max wait": func() { asynqadapter.Middleware(l, asynqadapter.WithMaxWait(-time.Second)) },
+		"nil key func":      func() { asynqadapter.Middleware(l, asynqadapter.WithKey(nil)) },
+	} {
+		require.PanicsWithValue(t, "asynqadapter: "+map[string]string{
+			"nil limiter": "nil limiter", "negative max wait": "negative max wait -1s", "nil key func": "nil key function",
+		}[name], f, name)
+	}
+}
+
+// server runs an asynq server on queue with the middleware, until the test
+// ends.
+func server(t *testing.T, rdb *redis.Client, queue string, concurrency int, mw asynq.MiddlewareFunc, h asynq.HandlerFunc) {
+	t.Helper()
+	srv := asynq.NewServerFromRedisClient(rdb, asynq.Config{
+		Concurrency:              concurrency,
+		Queues:                   map[string]int{queue: 1},
+		IsFailure:                asynqadapter.IsFailure,
+		RetryDelayFunc:           asynqadapter.RetryDelayFunc(nil),
+		DelayedTaskCheckInterval: time.Second,
+		TaskCheckInterval:        50 * time.Millisecond,
+		LogLevel:                 asynq.ErrorLevel,
+		ShutdownTimeout:          5 * time.Second,
+	})
+	mux := asynq.NewServeMux()
+	mux.Use(mw)
+	mux.Handle("api:call", h)
+	require.NoError(t, srv.Start(mux))
+	t.Cleanup(srv.Shutdown)
+}
+
+// TestTwoServersShareTheQuota: 200 tasks enqueued at once, two asynq
+// servers of 10 workers each, 10/s burst 5, 2 s max wait. Every task
+// completes; none is archived or failed because of the limit; starts keep
+// to the limit; about one limiter call per task.
+func TestTwoServersShareTheQuota(t *testing.T) {
+	if testing.Short() {
+		t.Skip("20 s: skipped with -short")
+	}
+	t.Parallel()
+	srvRedis := redistest.Shared(t)
+	srvRedis.RequireReal(t)
+	prefix := redistest.Prefix(t)
+	queue := "q" + prefix
+	limit := throttle.PerSecond(10, 5)
+
+	var (
+		mu     sync.Mutex // guards starts
+		starts []time.Time
+		done   = make(chan struct{}, 200)
+	)
+	handler := func(context.Context, *asynq.Task) error {
+		mu.Lock()
+		starts = append(starts, time.Now())
+		mu.Unlock()
+		done <- struct{}{}
+		return nil
+	}
+	var counters []*callcount.Counter
+	for i := 0; i < 2; i++ {
+		// Each server is a process: its own clients for asynq and the limiter.
+		limRedis := srvRedis.Client(t)
+		counters = append(counters, callcount.Attach(limRedis))
+		eng, err := throttle.New(limRedis, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
+		require.NoError(t, err)
+		require.NoError(t, eng.Load(context.Background()))
+		lim, err := reserve.New(eng, "asynq", limit, reserve.WithMaxWait(2*time.Second))
+		require.NoError(t, err)
+		server(t, srvRedis.Client(t), queue, 10, asynqadapter.Middleware(lim), handler)
+	}
+
+	client := asynq.NewClientFromRedisClient(srvRedis.Client(t))
+	for i := 0; i < 200; i++ {
+		_, err := client.Enqueue(asynq.NewTask("api:call", []byte(fmt.Sprint(i))), asynq.Queue(queue))
+		require.NoError(t, err)
+	}
+	timeout := time.After(90 * time.Second)
+	for i := 0; i < 200; i++ {
+		select {
+		case <-done:
+		case <-timeout:
+			t.Fatalf("only %d of 200 tasks completed", i)
+		}
+	}
+	insp := asynq.NewInspectorFromRedisClient(srvRedis.Client(t))
+	qi, err := insp.GetQueueInfo(queue)
+	require.NoError(t, err)
+	require.Zero(t, qi.Archived, "archived")
+	require.Zero(t, qi.Failed, "failed today")
+	require.Zero(t, qi.Retry, "waiting to retry")
+
+	var calls int64
+	for _, c := range counters {
+		calls += c.Load()
+	}
+	t.Logf("%d limiter calls for 200 tasks", calls)
+	require.LessOrEqual(t, float64(calls)/200, 2.0)
+
+	mu.Lock()
+	defer mu.Unlock()
+	slices.SortFunc(starts, func(a, b time.Time) int { return a.Compare(b) })
+	// Allow 20ms of scheduling delay after each slot on a busy machine.
+	const slack = 20 * time.Millisecond
+	for i := range starts {
+		for k := i; k < len(starts); k++ {
+			w := starts[k].Sub(starts[i]) + slack
+			if n, allowed := k-i+1, limit.Burst+1+int(w/limit.Interval()); n > allowed {
+				t.Fatalf("%d starts within %v, at most %d allowed", n, w, allowed)
+			}
+		}
+	}
+}
+
+// TestLastAttempt: a task with MaxRetry(0) whose slot is beyond the max
+// wait waits for it (by default) instead of being archived; with
+// WithLastAttemptWait(false) it is refused and asynq archives it.
+func TestLastAttempt(t *testing.T) {
+	for _, wait := range []bool{true, false} {
+		t.Run(fmt.Sprint("wait=", wait), func(t *testing.T) {
+			t.Parallel()
+			srvRedis := redistest.Shared(t)
+			srvRedis.RequireReal(t)
+			e := newEnv(t)
+			queue := "q" + e.prefix
+			l := e.limiter(t, throttle.PerSecond(10, 0), reserve.WithMaxWait(50*time.Millisecond))
+			fill(t, l, "api:call", 4) // next slot ~400ms away
+			ran := make(chan struct{}, 1)
+			server(t, srvRedis.Client(t), queue, 2, asynqadapter.Middleware(l, asynqadapter.WithLastAttemptWait(wait)),
+				func(context.Context, *asynq.Task) error { ran <- struct{}{}; return nil })
+			client := asynq.NewClientFromRedisClient(srvRedis.Client(t))
+			_, err := client.Enqueue(asynq.NewTask("api:call", nil), asynq.Queue(queue), asynq.MaxRetry(0))
+			require.NoError(t, err)
+			insp := asynq.NewInspectorFromRedisClient(srvRedis.Client(t))
+			if wait {
+				select {
+				case <-ran:
+				case <-time.After(10 * time.Second):
+					t.Fatal("the task did not run")
+				}
+				return
+			}
+			require.Eventually(t, func() bool {
+				qi, err := insp.GetQueueInfo(queue)
+				return err == nil && qi.Archived == 1
+			}, 10*time.Second, 20*time.Millisecond, "refused on its last attempt: archived")
+			require.Empty(t, ran)
+		})
+	}
+}
+
+// TestInspectorDeadline: a refused task that could only come back after
+// its absolute deadline is archived at once instead of sent back.
+func TestInspectorDeadline(t *testing.T) {
+	t.Parallel()
+	srvRedis := redistest.Shared(t)
+	srvRedis.RequireReal(t)
+	e := newEnv(t)
+	queue := "q" + e.prefix
+	l := e.limiter(t, throttle.PerSecond(1, 0), reserve.WithMaxWait(100*time.Millisecond))
+	fill(t, l, "api:call", 20) // next slot ~20 s away
+	insp := asynq.NewInspectorFromRedisClient(srvRedis.Client(t))
+	server(t, srvRedis.Client(t), queue, 2,
+		asynqadapter.Middleware(l, asynqadapter.WithInspector(insp), asynqadapter.WithLastAttemptWait(false)),
+		func(context.Context, *asynq.Task) error { return nil })
+	client := asynq.NewClientFromRedisClient(srvRedis.Client(t))
+	info, err := client.Enqueue(asynq.NewTask("api:call", nil), asynq.Queue(queue), asynq.Deadline(time.Now().Add(5*time.Second)))
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		ti, err := insp.GetTaskInfo(queue, info.ID)
+		return err == nil && ti.State == asynq.TaskStateArchived
+	}, 5*time.Second, 20*time.Millisecond, "archived before its deadline passed")
+	ti, err := insp.GetTaskInfo(queue, info.ID)
+	require.NoError(t, err)
+	require.Contains(t, ti.LastErr, "after its deadline")
+	require.Zero(t, ti.Retried, "no retry was used up")
+}
