@@ -390,3 +390,46 @@ func TestInspectorDeadline(t *testing.T) {
 	require.Contains(t, ti.LastErr, "after its deadline")
 	require.Zero(t, ti.Retried, "no retry was used up")
 }
+
+// TestSpreadReducesCollisions measures what spreading is for: 30 tasks
+// arrive at once at 20/s with a 200ms max wait; each refused task comes
+// back after its RetryAfter. Without spreading, the refused tasks return
+// together and all but one are refused again, round after round.
+func TestSpreadReducesCollisions(t *testing.T) {
+	t.Parallel()
+	attempts := map[bool]int64{}
+	for _, spread := range []bool{false, true} {
+		e := newEnv(t)
+		l := e.limiter(t, throttle.PerSecond(20, 0), reserve.WithMaxWait(200*time.Millisecond))
+		h := asynqadapter.Middleware(l, asynqadapter.WithSpread(spread))(noop)
+		var (
+			wg sync.WaitGroup
+			mu sync.Mutex // guards n
+			n  int64
+		)
+		for i := 0; i < 30; i++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for {
+					mu.Lock()
+					n++
+					mu.Unlock()
+					err := h.ProcessTask(context.Background(), asynq.NewTask("burst", nil))
+					var rl *asynqadapter.RateLimitedError
+					if !errors.As(err, &rl) {
+						if err != nil {
+							t.Error(err)
+						}
+						return
+					}
+					time.Sleep(rl.RetryAfter)
+				}
+			}()
+		}
+		wg.Wait()
+		attempts[spread] = n
+	}
+	t.Logf("attempts for 30 tasks: %d without spreading, %d with", attempts[false], attempts[true])
+	require.Greater(t, attempts[false], 3*attempts[true], "spreading should cut repeated refusals")
+}
