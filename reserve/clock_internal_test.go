@@ -3,6 +3,7 @@ package reserve
 import (
 	"context"
 	"errors"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -93,4 +94,20 @@ func TestWaitCancelRefunds(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, r.OK())
 	require.Equal(t, 100*time.Millisecond, r.DelayFrom(fc.Now()), "the cancelled slot should be given back")
+}
+
+// TestLocalShareKeysBounded: the fallback keeps at most maxKeys local
+// limiters, whatever number of subjects pass through it.
+func TestLocalShareKeysBounded(t *testing.T) {
+	t.Parallel()
+	l, _ := fakeLimiter(t, throttle.PerSecond(10, 0), WithFallback(LocalShare(time.Second, 2, 3)))
+	for i := 0; i < 100; i++ {
+		l.fallback.limiter(string(rune('a'+i%26))+strconv.Itoa(i), l.limit)
+	}
+	l.fallback.mu.Lock()
+	defer l.fallback.mu.Unlock()
+	require.LessOrEqual(t, len(l.fallback.local), 3)
+	r, b := l.fallback.share(l.limit)
+	require.InDelta(t, 5.0, float64(r), 1e-9, "10/s shared by 2 assumed instances")
+	require.Equal(t, 1, b)
 }

@@ -17,6 +17,8 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/time/rate"
+
 	"github.com/slotbook/slotbook/deadline"
 	"github.com/slotbook/slotbook/throttle"
 )
@@ -40,6 +42,8 @@ type Limiter struct {
 	maxWait time.Duration // deadline.NoCap when unset
 	work    time.Duration
 	clock   clock
+
+	fallback *fallback // nil: Redis failures are errors
 
 	coalesce bool
 	mu       sync.Mutex        // guards queues
@@ -124,6 +128,9 @@ func New(eng *throttle.Engine, name string, limit throttle.Limit, opts ...Option
 // max wait for one kind of caller.
 func (l *Limiter) With(opts ...Option) (*Limiter, error) {
 	base := []Option{WithMaxWait(l.maxWait), WithWorkEstimate(l.work), WithCoalescing(l.coalesce)}
+	if l.fallback != nil {
+		base = append(base, WithFallback(l.fallback.Fallback))
+	}
 	nl, err := New(l.eng, l.name, l.limit, append(base, opts...)...)
 	if err != nil {
 		return nil, err
@@ -173,7 +180,14 @@ func (l *Limiter) AllowN(ctx context.Context, key string, n int) (throttle.Resul
 	if err != nil {
 		return throttle.Result{}, err
 	}
-	return l.eng.AllowN(ctx, k, l.limit, n)
+	res, err := l.eng.AllowN(ctx, k, l.limit, n)
+	switch {
+	case err == nil:
+		l.heartbeat(ctx)
+	case l.fallback != nil && errors.Is(err, throttle.ErrUnavailable) && ctx.Err() == nil:
+		return l.fallbackAllow(k, n)
+	}
+	return res, err
 }
 
 // Reserve is shorthand for ReserveN(ctx, key, 1).
@@ -276,6 +290,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) {
 		budget, bound := deadline.Budget(c.ctx, now, l.maxWait, l.work)
 		if budget < 0 {
 			c.res = &Reservation{lim: l, key: key, err: deadline.Refuse(bound, budget, 0)}
+			l.eng.Observer().ObserveDecision(l.name, throttle.Refused, 0)
 			continue
 		}
 		maxWait := budget
@@ -292,7 +307,15 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) {
 	// The waits were measured on the Redis clock at some point before the
 	// reply arrived; counting them from the arrival never starts early.
 	arrived := l.clock.Now()
+	if err == nil {
+		l.heartbeat(ctx)
+	}
+	useFallback := err != nil && l.fallback != nil && errors.Is(err, throttle.ErrUnavailable)
 	for i, s := range out {
+		if useFallback && s.c.ctx.Err() == nil {
+			s.c.res = l.fallbackReserve(key, s.c.n, arrived, l.budgetOf(s.c.ctx, arrived), err)
+			continue
+		}
 		if err != nil {
 			s.c.err = err
 			continue
@@ -335,6 +358,9 @@ type Reservation struct {
 	act     time.Time // local time to act
 	err     error     // the refusal, if not OK
 
+	fallback bool              // answered by the fallback, not Redis
+	local    *rate.Reservation // LocalShare's booking, if any
+
 	mu       sync.Mutex // guards canceled
 	canceled bool
 }
@@ -347,13 +373,20 @@ func (r *Reservation) OK() bool { return r.err == nil }
 func (r *Reservation) Err() error { return r.err }
 
 // RetryAfter returns, for a refusal, the exact wait the slot would have
-// needed; for a booked slot, 0.
+// needed (or the fallback's estimate); for a booked slot, 0.
 func (r *Reservation) RetryAfter() time.Duration {
-	if e, ok := r.err.(*deadline.Error); ok {
+	switch e := r.err.(type) {
+	case *deadline.Error:
+		return e.RetryAfter
+	case *FallbackError:
 		return e.RetryAfter
 	}
 	return 0
 }
+
+// Fallback reports whether the answer came from the fallback policy while
+// Redis was unavailable, rather than from the shared limit.
+func (r *Reservation) Fallback() bool { return r.fallback }
 
 // Booking returns the engine's answer: the wait and slot as measured on the
 // Redis clock when the booking was made.
@@ -401,6 +434,13 @@ func (r *Reservation) Cancel(ctx context.Context) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.canceled {
+		return nil
+	}
+	if r.fallback {
+		if r.local != nil {
+			r.local.Cancel()
+		}
+		r.canceled = true
 		return nil
 	}
 	if _, err := r.lim.eng.Refund(ctx, r.key, r.lim.limit, r.booking); err != nil {

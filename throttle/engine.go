@@ -22,6 +22,10 @@ var (
 	//go:embed scripts/refund.lua
 	refundSrc    string
 	refundScript = redis.NewScript(refundSrc)
+
+	//go:embed scripts/heartbeat.lua
+	heartbeatSrc    string
+	heartbeatScript = redis.NewScript(heartbeatSrc)
 )
 
 // Defaults for New.
@@ -46,9 +50,11 @@ const Forever = time.Duration(math.MaxInt64)
 // An Engine is safe for concurrent use. Build one with New; the zero Engine
 // is not usable.
 type Engine struct {
-	rdb     redis.Scripter
-	prefix  string
-	timeout time.Duration
+	rdb      redis.Scripter
+	prefix   string
+	timeout  time.Duration
+	observer Observer
+	breaker  *breaker
 }
 
 // An Option configures an Engine in New.
@@ -76,6 +82,31 @@ func WithTimeout(d time.Duration) Option {
 	}
 }
 
+// WithObserver reports every decision, Redis call, refund and breaker
+// change to o (package metrics has one for Prometheus).
+func WithObserver(o Observer) Option {
+	return func(e *Engine) error {
+		if o == nil {
+			return errors.New("throttle: nil observer")
+		}
+		e.observer = o
+		return nil
+	}
+}
+
+// WithProbeBackoff sets how often, while Redis is unavailable, one call is
+// let through to see whether it is back: first after min, then doubling up
+// to max (defaults DefaultProbeMin, DefaultProbeMax).
+func WithProbeBackoff(min, max time.Duration) Option {
+	return func(e *Engine) error {
+		if min <= 0 || max < min {
+			return fmt.Errorf("throttle: probe backoff %v to %v: want 0 < min <= max", min, max)
+		}
+		e.breaker.min, e.breaker.max = min, max
+		return nil
+	}
+}
+
 // New returns an Engine that runs its scripts through rdb: a go-redis
 // Client, ClusterClient, Ring or failover client all fit. New makes no
 // network call; the scripts are sent on first use (or by Load).
@@ -83,13 +114,31 @@ func New(rdb redis.Scripter, opts ...Option) (*Engine, error) {
 	if rdb == nil {
 		return nil, errors.New("throttle: nil Redis client")
 	}
-	e := &Engine{rdb: rdb, prefix: DefaultPrefix, timeout: DefaultTimeout}
+	e := &Engine{
+		rdb: rdb, prefix: DefaultPrefix, timeout: DefaultTimeout, observer: nopObserver{},
+		breaker: &breaker{min: DefaultProbeMin, max: DefaultProbeMax},
+	}
 	for _, opt := range opts {
 		if err := opt(e); err != nil {
 			return nil, err
 		}
 	}
+	e.breaker.notify = e.observer.ObserveBreaker
 	return e, nil
+}
+
+// Observer returns the engine's observer (a no-op one if none was set), for
+// layers above that make decisions of their own, such as fallbacks.
+func (e *Engine) Observer() Observer { return e.observer }
+
+// Unavailable reports whether calls are failing fast because Redis is
+// unavailable, and if so how long until the next probe.
+func (e *Engine) Unavailable() (bool, time.Duration) {
+	d := e.breaker.retryAfter()
+	e.breaker.mu.Lock()
+	open := e.breaker.open
+	e.breaker.mu.Unlock()
+	return open, d
 }
 
 // Load sends the engine's scripts to Redis, so that the first booking does
@@ -97,7 +146,7 @@ func New(rdb redis.Scripter, opts ...Option) (*Engine, error) {
 func (e *Engine) Load(ctx context.Context) error {
 	ctx, cancel := e.callContext(ctx)
 	defer cancel()
-	for _, s := range []*redis.Script{bookScript, refundScript} {
+	for _, s := range []*redis.Script{bookScript, refundScript, heartbeatScript} {
 		if err := s.Load(ctx, e.rdb).Err(); err != nil {
 			return fmt.Errorf("throttle: load scripts: %w", err)
 		}
@@ -130,7 +179,7 @@ func (e *Engine) Allow(ctx context.Context, key string, limit Limit) (Result, er
 // the request was bad (ErrInvalidLimit, ErrExceedsBurst, ErrInvalidRequest;
 // no Redis call made) or Redis failed.
 func (e *Engine) AllowN(ctx context.Context, key string, limit Limit, n int) (Result, error) {
-	bs, err := e.BookBatch(ctx, key, limit, []Request{{N: n, MaxWait: 0}})
+	bs, err := e.bookBatch(ctx, key, limit, []Request{{N: n, MaxWait: 0}})
 	if err != nil {
 		return Result{}, err
 	}
@@ -146,6 +195,9 @@ func (e *Engine) AllowN(ctx context.Context, key string, limit Limit, n int) (Re
 	}
 	if !b.OK {
 		r.RetryAfter = b.Wait
+		e.observer.ObserveDecision(label(key), Denied, b.Wait)
+	} else {
+		e.observer.ObserveDecision(label(key), Allowed, 0)
 	}
 	return r, nil
 }
@@ -192,6 +244,18 @@ func (e *Engine) Book(ctx context.Context, key string, limit Limit, req Request)
 // N > Burst+1, a negative MaxWait, no requests or more than MaxBatch) is
 // reported before any Redis call.
 func (e *Engine) BookBatch(ctx context.Context, key string, limit Limit, reqs []Request) ([]Booking, error) {
+	bs, err := e.bookBatch(ctx, key, limit, reqs)
+	for _, b := range bs {
+		if b.OK {
+			e.observer.ObserveDecision(label(key), Booked, b.Wait)
+		} else {
+			e.observer.ObserveDecision(label(key), Refused, b.Wait)
+		}
+	}
+	return bs, err
+}
+
+func (e *Engine) bookBatch(ctx context.Context, key string, limit Limit, reqs []Request) ([]Booking, error) {
 	if err := checkKeyLimit(key, limit); err != nil {
 		return nil, err
 	}
@@ -250,19 +314,54 @@ func (e *Engine) Refund(ctx context.Context, key string, limit Limit, b Booking)
 	if err != nil {
 		return 0, fmt.Errorf("throttle: refund %q: %w", key, err)
 	}
-	return time.Duration(vals[1]) * time.Microsecond, nil
+	given := time.Duration(vals[1]) * time.Microsecond
+	e.observer.ObserveRefund(label(key), given)
+	return given, nil
 }
 
-// run runs s on the prefixed key and checks that the reply is an array of
-// want integers.
-func (e *Engine) run(ctx context.Context, s *redis.Script, key string, args []any, want int) ([]int64, error) {
+// Heartbeat records that the process id is alive under name for ttl and
+// returns how many processes are (at least 1). Fallback policies that share
+// the limit locally while Redis is down use it, once per interval, never
+// per request. The set lives at the key "instances:"+name (prefixed).
+func (e *Engine) Heartbeat(ctx context.Context, name, id string, ttl time.Duration) (int, error) {
+	if name == "" || id == "" || ttl < time.Millisecond {
+		return 0, fmt.Errorf("%w: heartbeat needs a name, an id and a TTL of at least 1ms", ErrInvalidRequest)
+	}
+	ms := int64(ttl / time.Millisecond)
 	ctx, cancel := e.callContext(ctx)
 	defer cancel()
-	reply, err := s.Run(ctx, e.rdb, []string{e.prefix + key}, args...).Result()
+	n, err := heartbeatScript.Run(ctx, e.rdb, []string{e.prefix + "instances:" + name}, id, ms).Int()
 	if err != nil {
+		return 0, fmt.Errorf("throttle: heartbeat %q: %w", name, err)
+	}
+	return max(n, 1), nil
+}
+
+// run runs s on the prefixed key through the breaker, within the timeout,
+// and checks that the reply is an array of want integers.
+func (e *Engine) run(ctx context.Context, s *redis.Script, key string, args []any, want int) ([]int64, error) {
+	if !e.breaker.allow() {
+		return nil, fmt.Errorf("%w (failing fast until a probe succeeds)", ErrUnavailable)
+	}
+	callCtx, cancel := e.callContext(ctx)
+	defer cancel()
+	start := time.Now()
+	reply, err := s.Run(callCtx, e.rdb, []string{e.prefix + key}, args...).Result()
+	e.observer.ObserveCall(label(key), time.Since(start), err)
+	switch {
+	case err == nil:
+		e.breaker.success()
+		return int64s(reply, want)
+	case ctx.Err() != nil: // the caller gave up: no verdict on Redis
+		e.breaker.abandon()
+		return nil, err
+	case unavailable(err):
+		e.breaker.failure()
+		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
+	default: // Redis answered, with an error
+		e.breaker.success()
 		return nil, err
 	}
-	return int64s(reply, want)
 }
 
 func (e *Engine) callContext(ctx context.Context) (context.Context, context.CancelFunc) {

@@ -49,6 +49,8 @@ var (
 // Main runs the package's tests, stops the shared server, and then fails
 // the run if any goroutine is left behind (go.uber.org/goleak).
 func Main(m *testing.M) {
+	// go-redis logs every failed dial; the fault tests make many on purpose.
+	redis.SetLogger(quiet{})
 	code := m.Run()
 	if shared != nil {
 		shared.Stop()
@@ -282,3 +284,7 @@ func freePort() (int, error) {
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
+
+type quiet struct{}
+
+func (quiet) Printf(context.Context, string, ...any) {}

@@ -1,0 +1,65 @@
+package throttle
+
+import (
+	"strings"
+	"time"
+)
+
+// Outcome is what became of one request.
+type Outcome int
+
+// The outcomes an Observer sees.
+const (
+	Allowed         Outcome = iota // check mode: passed
+	Denied                         // check mode: did not pass
+	Booked                         // reservation: a slot was booked
+	Refused                        // reservation: the slot was too far away; nothing booked
+	FallbackAllowed                // Redis unavailable: the fallback policy let it pass
+	FallbackRefused                // Redis unavailable: the fallback policy refused it
+)
+
+var outcomeNames = [...]string{"allowed", "denied", "booked", "refused", "fallback_allowed", "fallback_refused"}
+
+// String returns the outcome's name as used in metric labels.
+func (o Outcome) String() string {
+	if o < 0 || int(o) >= len(outcomeNames) {
+		return "unknown"
+	}
+	return outcomeNames[o]
+}
+
+// An Observer is told of the engine's work; package metrics turns it into
+// Prometheus metrics. Its methods are called synchronously on the request
+// path, from many goroutines at once: they must be quick and safe for
+// concurrent use.
+//
+// limiter is the part of the key before its first ':' (for keys built by
+// package reserve, the limiter's name). Keep it bounded: never a subject.
+type Observer interface {
+	// ObserveDecision reports one request's outcome; wait is the booked wait
+	// for Booked (and FallbackAllowed), the retry-after for Denied and
+	// Refused.
+	ObserveDecision(limiter string, o Outcome, wait time.Duration)
+	// ObserveCall reports one script call to Redis, with its duration and
+	// error (nil on success).
+	ObserveCall(limiter string, d time.Duration, err error)
+	// ObserveRefund reports a refund and how much time it gave back.
+	ObserveRefund(limiter string, given time.Duration)
+	// ObserveBreaker reports the breaker opening (Redis unavailable: calls
+	// go to the fallback) or closing (shared limiting restored).
+	ObserveBreaker(open bool)
+}
+
+// nopObserver is used when none is set.
+type nopObserver struct{}
+
+func (nopObserver) ObserveDecision(string, Outcome, time.Duration) {}
+func (nopObserver) ObserveCall(string, time.Duration, error)       {}
+func (nopObserver) ObserveRefund(string, time.Duration)            {}
+func (nopObserver) ObserveBreaker(bool)                            {}
+
+// label is the observer label of key.
+func label(key string) string {
+	name, _, _ := strings.Cut(key, ":")
+	return name
+}
