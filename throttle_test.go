@@ -134,7 +134,7 @@ func TestOneKeyPerSubject(t *testing.T) {
 	keys, err := e.rdb.Keys(ctx, e.prefix+"*").Result()
 	require.NoError(t, err)
 	slices.Sort(keys)
-	require.Equal(t, []string{e.prefix + "api:a", e.prefix + "api:b", e.prefix + "api:c"}, keys)
+	require.Equal(t, []string{e.prefix + "api:{a}", e.prefix + "api:{b}", e.prefix + "api:{c}"}, keys)
 	for _, k := range keys {
 		v, err := e.rdb.Get(ctx, k).Result()
 		require.NoError(t, err)
@@ -256,7 +256,7 @@ func TestDeadlineRefusal(t *testing.T) {
 	require.True(t, ok)
 	require.Equal(t, 300*time.Millisecond, retry)
 
-	b, err := e.eng.Book(at, "api:k", published, throttle.Request{N: 1, MaxWait: throttle.Forever})
+	b, err := e.eng.Book(at, "api:{k}", published, throttle.Request{N: 1, MaxWait: throttle.Forever})
 	require.NoError(t, err)
 	require.Equal(t, 300*time.Millisecond, b.Wait, "the next booking's wait is unchanged")
 }

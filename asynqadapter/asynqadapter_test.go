@@ -134,11 +134,11 @@ func TestKeys(t *testing.T) {
 		ctx  context.Context
 		want string
 	}{
-		{"by type", nil, context.Background(), "tasks:email:welcome"},
-		{"by queue outside a server", []asynqadapter.Option{asynqadapter.WithKey(asynqadapter.ByQueue)}, context.Background(), "tasks:default"},
+		{"by type", nil, context.Background(), "tasks:{email:welcome}"},
+		{"by queue outside a server", []asynqadapter.Option{asynqadapter.WithKey(asynqadapter.ByQueue)}, context.Background(), "tasks:{default}"},
 		{"by payload", []asynqadapter.Option{asynqadapter.WithKey(func(_ context.Context, t *asynq.Task) string {
 			return "tenant-" + string(t.Payload())
-		})}, context.Background(), "tasks:tenant-42"},
+		})}, context.Background(), "tasks:{tenant-42}"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

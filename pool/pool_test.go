@@ -165,7 +165,7 @@ func TestRejectedJobBooksNothing(t *testing.T) {
 	first, err := p.Submit(ctx, "k", func(context.Context) error { return nil })
 	require.NoError(t, err)
 	require.NoError(t, first.Wait(ctx))
-	tat, err := proc.rdb.Get(ctx, prefix+"api:k").Result()
+	tat, err := proc.rdb.Get(ctx, prefix+"api:{k}").Result()
 	require.NoError(t, err)
 
 	short, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
@@ -180,7 +180,7 @@ func TestRejectedJobBooksNothing(t *testing.T) {
 	require.InDelta(t, float64(time.Second), float64(retry), float64(100*time.Millisecond))
 	require.False(t, ran)
 	require.True(t, j.Slot().IsZero())
-	after, err := proc.rdb.Get(ctx, prefix+"api:k").Result()
+	after, err := proc.rdb.Get(ctx, prefix+"api:{k}").Result()
 	require.NoError(t, err)
 	require.Equal(t, tat, after, "a rejected job must book nothing")
 }
@@ -217,7 +217,7 @@ func TestCancelMidBacklogRefunds(t *testing.T) {
 	require.Equal(t, 8, cancelled+int(ran.Load()))
 	// All that was given back: the next booking comes right after the
 	// jobs that ran, not after all eight slots.
-	b, err := proc.eng.Book(ctx, "api:k", limit, throttle.Request{N: 1, MaxWait: throttle.Forever})
+	b, err := proc.eng.Book(ctx, "api:{k}", limit, throttle.Request{N: 1, MaxWait: throttle.Forever})
 	require.NoError(t, err)
 	require.Less(t, b.Wait, time.Duration(ran.Load())*100*time.Millisecond+50*time.Millisecond,
 		"next wait %v after %d jobs ran", b.Wait, ran.Load())
@@ -263,7 +263,7 @@ func TestCloseRefundsAndEnds(t *testing.T) {
 	require.ErrorIs(t, err, pool.ErrClosed)
 	require.NoError(t, p.Close(ctx), "Close is idempotent")
 
-	b, err := proc.eng.Book(ctx, "api:k", limit, throttle.Request{N: 1, MaxWait: throttle.Forever})
+	b, err := proc.eng.Book(ctx, "api:{k}", limit, throttle.Request{N: 1, MaxWait: throttle.Forever})
 	require.NoError(t, err)
 	require.Less(t, b.Wait, 100*time.Millisecond, "the three booked slots were given back")
 }

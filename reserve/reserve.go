@@ -38,8 +38,9 @@ var (
 type Limiter struct {
 	eng     *throttle.Engine
 	name    string
-	limit   throttle.Limit
-	maxWait time.Duration // deadline.NoCap when unset
+	limit   throttle.Limit   // the first limit
+	limits  []throttle.Limit // all of them, the first first
+	maxWait time.Duration    // deadline.NoCap when unset
 	work    time.Duration
 	clock   clock
 
@@ -63,6 +64,32 @@ func WithMaxWait(d time.Duration) Option {
 			return fmt.Errorf("reserve: negative max wait %v", d)
 		}
 		l.maxWait = d
+		return nil
+	}
+}
+
+// WithLimit adds limits that every request must satisfy as well, judged
+// together in the same Redis call: 10 a second and 10,000 a day, say. A
+// request's slot is the earliest time every limit allows it; a refusal
+// books nothing in any of them; a refund gives back to each. Each limit
+// needs a period of its own. The first limit's key is "name:{subject}", the
+// others' "name:{subject}:period": one hash tag, so one Redis Cluster node.
+func WithLimit(limits ...throttle.Limit) Option {
+	return func(l *Limiter) error {
+		for _, lim := range limits {
+			if err := lim.Validate(); err != nil {
+				return err
+			}
+			for _, have := range l.limits {
+				if have.Period == lim.Period {
+					return fmt.Errorf("reserve: two limits with the period %v (%v and %v)", lim.Period, have, lim)
+				}
+			}
+			l.limits = append(l.limits, lim)
+		}
+		if len(l.limits) > throttle.MaxLimits {
+			return fmt.Errorf("reserve: %d limits (at most %d)", len(l.limits), throttle.MaxLimits)
+		}
 		return nil
 	}
 }
@@ -112,7 +139,7 @@ func New(eng *throttle.Engine, name string, limit throttle.Limit, opts ...Option
 		return nil, err
 	}
 	l := &Limiter{
-		eng: eng, name: name, limit: limit, maxWait: deadline.NoCap, clock: realClock{},
+		eng: eng, name: name, limit: limit, limits: []throttle.Limit{limit}, maxWait: deadline.NoCap, clock: realClock{},
 		coalesce: true, queues: make(map[string]*queue),
 	}
 	for _, opt := range opts {
@@ -127,7 +154,7 @@ func New(eng *throttle.Engine, name string, limit throttle.Limit, opts ...Option
 // quota) with opts applied over l's own options: for example a different
 // max wait for one kind of caller.
 func (l *Limiter) With(opts ...Option) (*Limiter, error) {
-	base := []Option{WithMaxWait(l.maxWait), WithWorkEstimate(l.work), WithCoalescing(l.coalesce)}
+	base := []Option{WithMaxWait(l.maxWait), WithWorkEstimate(l.work), WithCoalescing(l.coalesce), WithLimit(l.limits[1:]...)}
 	if l.fallback != nil {
 		base = append(base, WithFallback(l.fallback.Fallback))
 	}
@@ -142,8 +169,11 @@ func (l *Limiter) With(opts ...Option) (*Limiter, error) {
 // Name returns the limiter's name.
 func (l *Limiter) Name() string { return l.name }
 
-// Limit returns the limiter's Limit.
+// Limit returns the limiter's first Limit.
 func (l *Limiter) Limit() throttle.Limit { return l.limit }
+
+// Limits returns all the limiter's limits, the first first.
+func (l *Limiter) Limits() []throttle.Limit { return append([]throttle.Limit(nil), l.limits...) }
 
 // MaxWait returns the configured max wait, and false if none is set.
 func (l *Limiter) MaxWait() (time.Duration, bool) {
@@ -158,14 +188,37 @@ func (l *Limiter) CheckKey(key string) error {
 	return err
 }
 
-// engineKey returns the engine key (before the engine's prefix) for
-// subject key.
+// engineKey returns the engine key (before the engine's prefix) of the
+// first limit for subject key: "name:{key}".
 func (l *Limiter) engineKey(key string) (string, error) {
 	if key == "" {
 		return "", fmt.Errorf("%w: empty key", throttle.ErrInvalidRequest)
 	}
-	k := l.name + ":" + key
-	return k, throttle.CheckKey(k)
+	k := l.name + ":{" + key + "}"
+	if len(k)+24 > throttle.MaxKeyLen { // room for a period suffix
+		return "", fmt.Errorf("%w: key of %d bytes", throttle.ErrInvalidRequest, len(key))
+	}
+	return k, nil
+}
+
+// keysOf returns the engine keys of every limit, given the first's.
+func (l *Limiter) keysOf(first string) []string {
+	keys := make([]string, len(l.limits))
+	keys[0] = first
+	for i, lim := range l.limits[1:] {
+		keys[i+1] = first + ":" + lim.Period.String()
+	}
+	return keys
+}
+
+// checkN reports whether n units can ever pass every limit.
+func (l *Limiter) checkN(n int) error {
+	for _, lim := range l.limits {
+		if err := throttle.CheckRequest(throttle.Request{N: n}, lim); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // Allow is shorthand for AllowN(ctx, key, 1).
@@ -180,7 +233,7 @@ func (l *Limiter) AllowN(ctx context.Context, key string, n int) (throttle.Resul
 	if err != nil {
 		return throttle.Result{}, err
 	}
-	res, err := l.eng.AllowN(ctx, k, l.limit, n)
+	res, err := l.eng.AllowAll(ctx, l.keysOf(k), l.limits, n)
 	switch {
 	case err == nil:
 		l.heartbeat(ctx)
@@ -211,7 +264,7 @@ func (l *Limiter) ReserveN(ctx context.Context, key string, n int) (*Reservation
 	if err != nil {
 		return nil, err
 	}
-	if err := throttle.CheckRequest(throttle.Request{N: n}, l.limit); err != nil {
+	if err := l.checkN(n); err != nil {
 		return nil, err
 	}
 	if err := ctx.Err(); err != nil {
@@ -249,7 +302,7 @@ func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequ
 	}
 	calls := make([]*call, len(reqs))
 	for i, r := range reqs {
-		if err := throttle.CheckRequest(throttle.Request{N: r.N}, l.limit); err != nil {
+		if err := l.checkN(r.N); err != nil {
 			return nil, fmt.Errorf("request %d: %w", i, err)
 		}
 		c := &call{ctx: r.Context, n: r.N}
@@ -303,7 +356,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) {
 	if len(reqs) == 0 {
 		return
 	}
-	bs, err := l.eng.BookBatch(ctx, key, l.limit, reqs)
+	bs, err := l.eng.BookAll(ctx, l.keysOf(key), l.limits, reqs)
 	// The waits were measured on the Redis clock at some point before the
 	// reply arrived; counting them from the arrival never starts early.
 	arrived := l.clock.Now()
@@ -328,6 +381,18 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) {
 		}
 		s.c.res = r
 	}
+}
+
+// Pause makes sure no new slot for key is granted before d from now, in
+// every process sharing the limit: shared back-off after an upstream
+// answered "429, retry after d". Slots already booked keep their times;
+// afterwards requests resume one interval apart.
+func (l *Limiter) Pause(ctx context.Context, key string, d time.Duration) error {
+	k, err := l.engineKey(key)
+	if err != nil {
+		return err
+	}
+	return l.eng.BlockAll(ctx, l.keysOf(k), l.limits, d)
 }
 
 // Acquire is shorthand for AcquireN(ctx, key, 1).
@@ -443,7 +508,7 @@ func (r *Reservation) Cancel(ctx context.Context) error {
 		r.canceled = true
 		return nil
 	}
-	if _, err := r.lim.eng.Refund(ctx, r.key, r.lim.limit, r.booking); err != nil {
+	if _, err := r.lim.eng.RefundAll(ctx, r.lim.keysOf(r.key), r.lim.limits, r.booking); err != nil {
 		return err
 	}
 	r.canceled = true

@@ -82,7 +82,7 @@ func TestRefusals(t *testing.T) {
 			now := time.Now()
 			base := testhook.WithNow(context.Background(), now.UnixMicro())
 			fill(t, l, base)
-			next, err := e.rdb.Get(base, e.prefix+"api:k").Result()
+			next, err := e.rdb.Get(base, e.prefix+"api:{k}").Result()
 			require.NoError(t, err)
 
 			ctx := base
@@ -110,10 +110,10 @@ func TestRefusals(t *testing.T) {
 			err = l.Acquire(ctx, "k")
 			require.ErrorIs(t, err, tc.bound)
 			require.Less(t, time.Since(start), 40*time.Millisecond+tc.budget/2)
-			after, err := e.rdb.Get(base, e.prefix+"api:k").Result()
+			after, err := e.rdb.Get(base, e.prefix+"api:{k}").Result()
 			require.NoError(t, err)
 			require.Equal(t, next, after, "a refusal must book nothing")
-			b, err := e.eng.Book(base, "api:k", l.Limit(), throttle.Request{N: 1, MaxWait: throttle.Forever})
+			b, err := e.eng.Book(base, "api:{k}", l.Limit(), throttle.Request{N: 1, MaxWait: throttle.Forever})
 			require.NoError(t, err)
 			require.Equal(t, 100*time.Millisecond, b.Wait, "the next booking's wait is unchanged")
 		})

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -26,6 +27,10 @@ var (
 	//go:embed scripts/heartbeat.lua
 	heartbeatSrc    string
 	heartbeatScript = redis.NewScript(heartbeatSrc)
+
+	//go:embed scripts/block.lua
+	blockSrc    string
+	blockScript = redis.NewScript(blockSrc)
 )
 
 // Defaults for New.
@@ -39,6 +44,9 @@ const MaxKeyLen = 1024
 
 // MaxBatch is the most requests one BookBatch call takes.
 const MaxBatch = 1000
+
+// MaxLimits is the most limits one subject may have (BookAll and friends).
+const MaxLimits = 8
 
 // Forever, as a Request's MaxWait, accepts a slot however far away it is.
 const Forever = time.Duration(math.MaxInt64)
@@ -146,177 +154,12 @@ func (e *Engine) Unavailable() (bool, time.Duration) {
 func (e *Engine) Load(ctx context.Context) error {
 	ctx, cancel := e.callContext(ctx)
 	defer cancel()
-	for _, s := range []*redis.Script{bookScript, refundScript, heartbeatScript} {
+	for _, s := range []*redis.Script{bookScript, refundScript, heartbeatScript, blockScript, windowScript} {
 		if err := s.Load(ctx, e.rdb).Err(); err != nil {
 			return fmt.Errorf("throttle: load scripts: %w", err)
 		}
 	}
 	return nil
-}
-
-// Result is the outcome of a check-mode call (Allow, AllowN).
-type Result struct {
-	// Allowed reports whether the request passed; if so it has been counted.
-	Allowed bool
-	// Remaining is how many more units would pass right now.
-	Remaining int
-	// RetryAfter is, for a denied request, the exact time until a request of
-	// the same size would pass if nobody else takes the room first. It is 0
-	// when Allowed.
-	RetryAfter time.Duration
-	// ResetAfter is the time until the key is back to its idle state, with
-	// Burst+1 units available.
-	ResetAfter time.Duration
-}
-
-// Allow is shorthand for AllowN(ctx, key, limit, 1).
-func (e *Engine) Allow(ctx context.Context, key string, limit Limit) (Result, error) {
-	return e.AllowN(ctx, key, limit, 1)
-}
-
-// AllowN reports whether n units may pass for key now, and counts them if
-// so. A denial is a Result with Allowed false, not an error; an error means
-// the request was bad (ErrInvalidLimit, ErrExceedsBurst, ErrInvalidRequest;
-// no Redis call made) or Redis failed.
-func (e *Engine) AllowN(ctx context.Context, key string, limit Limit, n int) (Result, error) {
-	bs, err := e.bookBatch(ctx, key, limit, []Request{{N: n, MaxWait: 0}})
-	if err != nil {
-		return Result{}, err
-	}
-	b := bs[0]
-	I := limit.intervalMicros()
-	tau := I * int64(limit.Burst)
-	remaining := (b.now+tau-b.end)/I + 1
-	remaining = max(0, min(remaining, int64(limit.Burst)+1))
-	r := Result{
-		Allowed:    b.OK,
-		Remaining:  int(remaining),
-		ResetAfter: time.Duration(max(0, b.end-b.now)) * time.Microsecond,
-	}
-	if !b.OK {
-		r.RetryAfter = b.Wait
-		e.observer.ObserveDecision(label(key), Denied, b.Wait)
-	} else {
-		e.observer.ObserveDecision(label(key), Allowed, 0)
-	}
-	return r, nil
-}
-
-// A Request asks for N units with a bound on the wait for their slot.
-type Request struct {
-	N       int           // units wanted, 1 to Burst+1
-	MaxWait time.Duration // longest acceptable wait, >= 0; Forever for no bound
-}
-
-// A Booking is the engine's answer to one Request.
-type Booking struct {
-	// OK reports whether the slot was booked. A refused request booked
-	// nothing.
-	OK bool
-	// N is the number of units asked for.
-	N int
-	// Wait is the exact delay, measured on the Redis clock at the moment of
-	// the decision, until the slot. For a refusal it is the delay the slot
-	// would have needed: the exact retry-after.
-	Wait time.Duration
-	// At is the slot on the Redis clock (decision time plus Wait).
-	At time.Time
-
-	now int64 // decision time, microseconds on the Redis clock
-	end int64 // TAT after the decision
-}
-
-// Book is shorthand for BookBatch with one request.
-func (e *Engine) Book(ctx context.Context, key string, limit Limit, req Request) (Booking, error) {
-	bs, err := e.BookBatch(ctx, key, limit, []Request{req})
-	if err != nil {
-		return Booking{}, err
-	}
-	return bs[0], nil
-}
-
-// BookBatch judges reqs in order against key in one Redis call, booking each
-// one whose slot lies within its MaxWait. Each request is judged on its own:
-// a refusal books nothing and does not stop the requests after it. The
-// result has one Booking per request, in the same order.
-//
-// Bad input (an invalid limit, an empty or over-long key, N <= 0,
-// N > Burst+1, a negative MaxWait, no requests or more than MaxBatch) is
-// reported before any Redis call.
-func (e *Engine) BookBatch(ctx context.Context, key string, limit Limit, reqs []Request) ([]Booking, error) {
-	bs, err := e.bookBatch(ctx, key, limit, reqs)
-	for _, b := range bs {
-		if b.OK {
-			e.observer.ObserveDecision(label(key), Booked, b.Wait)
-		} else {
-			e.observer.ObserveDecision(label(key), Refused, b.Wait)
-		}
-	}
-	return bs, err
-}
-
-func (e *Engine) bookBatch(ctx context.Context, key string, limit Limit, reqs []Request) ([]Booking, error) {
-	if err := checkKeyLimit(key, limit); err != nil {
-		return nil, err
-	}
-	if len(reqs) == 0 || len(reqs) > MaxBatch {
-		return nil, fmt.Errorf("%w: batch of %d requests (want 1 to %d)", ErrInvalidRequest, len(reqs), MaxBatch)
-	}
-	I := limit.intervalMicros()
-	args := make([]any, 0, 3+2*len(reqs))
-	args = append(args, I, I*int64(limit.Burst), nowArg(ctx))
-	for _, r := range reqs {
-		if err := checkRequest(r, limit); err != nil {
-			return nil, err
-		}
-		w := int64(-1)
-		if us := ceilMicros(r.MaxWait); r.MaxWait != Forever && us < maxMicros {
-			w = us
-		}
-		args = append(args, r.N, w)
-	}
-
-	vals, err := e.run(ctx, bookScript, key, args, 1+3*len(reqs))
-	if err != nil {
-		return nil, fmt.Errorf("throttle: book %q: %w", key, err)
-	}
-	now := vals[0]
-	out := make([]Booking, len(reqs))
-	for i := range reqs {
-		v := vals[1+3*i : 4+3*i]
-		out[i] = Booking{
-			OK:   v[0] == 1,
-			N:    reqs[i].N,
-			Wait: time.Duration(v[1]) * time.Microsecond,
-			At:   time.UnixMicro(now + v[1]),
-			now:  now,
-			end:  v[2],
-		}
-	}
-	return out, nil
-}
-
-// Refund gives back b, which must have been booked for key under limit, as
-// golang.org/x/time/rate's Reservation.Cancel does: only if its slot has not
-// come yet, and only the part that bookings made after it have not built
-// on, so they keep their slots. It returns how much time was given back.
-// Refunding a refused booking, or one whose slot has passed, is a no-op.
-func (e *Engine) Refund(ctx context.Context, key string, limit Limit, b Booking) (time.Duration, error) {
-	if err := checkKeyLimit(key, limit); err != nil {
-		return 0, err
-	}
-	if !b.OK {
-		return 0, nil
-	}
-	length := int64(b.N) * limit.intervalMicros()
-	slot := b.now + int64(b.Wait/time.Microsecond)
-	vals, err := e.run(ctx, refundScript, key, []any{length, b.end, slot, nowArg(ctx)}, 2)
-	if err != nil {
-		return 0, fmt.Errorf("throttle: refund %q: %w", key, err)
-	}
-	given := time.Duration(vals[1]) * time.Microsecond
-	e.observer.ObserveRefund(label(key), given)
-	return given, nil
 }
 
 // Heartbeat records that the process id is alive under name for ttl and
@@ -335,33 +178,6 @@ func (e *Engine) Heartbeat(ctx context.Context, name, id string, ttl time.Durati
 		return 0, fmt.Errorf("throttle: heartbeat %q: %w", name, err)
 	}
 	return max(n, 1), nil
-}
-
-// run runs s on the prefixed key through the breaker, within the timeout,
-// and checks that the reply is an array of want integers.
-func (e *Engine) run(ctx context.Context, s *redis.Script, key string, args []any, want int) ([]int64, error) {
-	if !e.breaker.allow() {
-		return nil, fmt.Errorf("%w (failing fast until a probe succeeds)", ErrUnavailable)
-	}
-	callCtx, cancel := e.callContext(ctx)
-	defer cancel()
-	start := time.Now()
-	reply, err := s.Run(callCtx, e.rdb, []string{e.prefix + key}, args...).Result()
-	e.observer.ObserveCall(label(key), time.Since(start), err)
-	switch {
-	case err == nil:
-		e.breaker.success()
-		return int64s(reply, want)
-	case ctx.Err() != nil: // the caller gave up: no verdict on Redis
-		e.breaker.abandon()
-		return nil, err
-	case unavailable(err):
-		e.breaker.failure()
-		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
-	default: // Redis answered, with an error
-		e.breaker.success()
-		return nil, err
-	}
 }
 
 func (e *Engine) callContext(ctx context.Context) (context.Context, context.CancelFunc) {
@@ -398,11 +214,50 @@ func nowArg(ctx context.Context) string {
 	return ""
 }
 
-func checkKeyLimit(key string, limit Limit) error {
-	if err := limit.Validate(); err != nil {
-		return err
+// checkKeysLimits validates the keys and limits of one subject: as many
+// keys as limits, 1 to MaxLimits of them, no key twice, and (for more than
+// one) a shared hash tag, so that a Redis Cluster can run the script.
+func checkKeysLimits(keys []string, limits []Limit) error {
+	if len(keys) == 0 || len(keys) > MaxLimits || len(keys) != len(limits) {
+		return fmt.Errorf("%w: %d keys for %d limits (want 1 to %d of each, as many keys as limits)",
+			ErrInvalidRequest, len(keys), len(limits), MaxLimits)
 	}
-	return CheckKey(key)
+	for i, k := range keys {
+		if err := limits[i].Validate(); err != nil {
+			return err
+		}
+		if err := CheckKey(k); err != nil {
+			return err
+		}
+		for _, k2 := range keys[:i] {
+			if k == k2 {
+				return fmt.Errorf("%w: key %q given twice", ErrInvalidRequest, k)
+			}
+		}
+		if i > 0 && HashTag(k) != HashTag(keys[0]) {
+			return fmt.Errorf("%w: keys %q and %q do not share a hash tag, so a Redis Cluster may hold them on different nodes",
+				ErrInvalidRequest, keys[0], k)
+		}
+	}
+	if len(keys) > 1 && HashTag(keys[0]) == "" {
+		return fmt.Errorf("%w: keys %q... of several limits need a hash tag ({...})", ErrInvalidRequest, keys[0])
+	}
+	return nil
+}
+
+// HashTag returns the part of key that Redis Cluster hashes: what stands
+// between the first '{' and the next '}', if that is not empty; else "".
+// Keys with the same non-empty hash tag live on one node.
+func HashTag(key string) string {
+	open := strings.IndexByte(key, '{')
+	if open < 0 {
+		return ""
+	}
+	end := strings.IndexByte(key[open+1:], '}')
+	if end <= 0 {
+		return ""
+	}
+	return key[open+1 : open+1+end]
 }
 
 // CheckKey reports whether key is acceptable to the engine: not empty and

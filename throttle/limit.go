@@ -41,6 +41,9 @@ func PerMinute(rate, burst int) Limit { return Every(time.Minute, rate, burst) }
 // PerHour returns a Limit of rate events per hour with the given burst.
 func PerHour(rate, burst int) Limit { return Every(time.Hour, rate, burst) }
 
+// PerDay returns a Limit of rate events per 24 hours with the given burst.
+func PerDay(rate, burst int) Limit { return Every(24*time.Hour, rate, burst) }
+
 // Every returns a Limit of rate events per period with the given burst.
 func Every(period time.Duration, rate, burst int) Limit {
 	return Limit{Rate: rate, Period: period, Burst: burst}

@@ -1,59 +1,76 @@
--- book.lua: judges a list of requests against one GCRA key, in order, and
--- books each one that fits its max wait. One call, one key, one integer.
+-- book.lua: judges a list of requests against one or more GCRA keys (the
+-- limits of one subject), in order, and books each request that fits its
+-- max wait in all of them at once. Each key holds one integer: TAT, the
+-- theoretical arrival time, in microseconds on the Redis clock.
 --
--- KEYS[1]   the key; its value is TAT, the theoretical arrival time, as an
---           integer count of microseconds on the Redis clock
--- ARGV[1]   emission interval I, microseconds
--- ARGV[2]   tolerance tau = burst * I, microseconds
--- ARGV[3]   "" to read the clock with TIME; a microsecond count in tests
--- ARGV[4..] pairs (n, max_wait): units wanted, longest acceptable wait in
+-- KEYS      the m keys (one per limit; in a cluster they share a hash tag)
+-- ARGV[1]   "" to read the clock with TIME; a microsecond count in tests
+-- ARGV[2]   m
+-- ARGV[3..] m pairs (I, tau): emission interval and tolerance (burst * I),
+--           microseconds
+-- then      pairs (n, max_wait): units wanted, longest acceptable wait in
 --           microseconds (-1: no bound)
 --
--- Returns {now, booked_1, wait_1, tat_1, booked_2, wait_2, tat_2, ...}:
--- booked is 1 or 0, wait the exact delay until the request's slot (for a
--- refusal, the delay it would have needed), tat the TAT after the decision.
--- A refused request writes nothing. All values stay integral: a Lua number
--- handed back to Redis is formatted with %.17g, so SET gets string.format.
-local interval = tonumber(ARGV[1])
-local tau = tonumber(ARGV[2])
-
+-- A request's slot is the earliest time every limit allows it:
+--   t = max(now, max_i(tat_i + (n-1)*I_i - tau_i))
+-- If t - now exceeds its max wait it is refused and writes nothing;
+-- otherwise every limit advances: tat_i = max(tat_i, t) + n*I_i.
+--
+-- Returns {now, then per request: booked (1/0), wait, tat_1 .. tat_m}, the
+-- TATs the request was judged against (before it was booked: the caller
+-- computes the TATs after, for a refund to restore). Values stay integral: a Lua number handed to
+-- Redis is formatted with %.17g, so SET gets string.format.
 local now
-if ARGV[3] == '' then
+if ARGV[1] == '' then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 else
-  now = tonumber(ARGV[3])
+  now = tonumber(ARGV[1])
 end
 
-local tat = now
-local stored = redis.call('GET', KEYS[1])
-if stored then
-  local v = tonumber(stored)
-  if v == nil then
-    return redis.error_reply('slotbook: key ' .. KEYS[1] .. ' does not hold a TAT')
+local m = tonumber(ARGV[2])
+local interval, tau, tat, first = {}, {}, {}, {}
+for i = 1, m do
+  interval[i] = tonumber(ARGV[1 + 2 * i])
+  tau[i] = tonumber(ARGV[2 + 2 * i])
+  tat[i] = now
+  local stored = redis.call('GET', KEYS[i])
+  if stored then
+    local v = tonumber(stored)
+    if v == nil then
+      return redis.error_reply('slotbook: key ' .. KEYS[i] .. ' does not hold a TAT')
+    end
+    if v > now then tat[i] = v end
   end
-  if v > now then tat = v end
+  first[i] = tat[i]
 end
-local first = tat
 
 local out = {now}
-for i = 4, #ARGV, 2 do
-  local n = tonumber(ARGV[i])
-  local maxwait = tonumber(ARGV[i + 1])
-  local wait = tat + (n - 1) * interval - tau - now
-  if wait < 0 then wait = 0 end
-  if maxwait >= 0 and wait > maxwait then
-    out[#out + 1] = 0
-  else
-    tat = tat + n * interval
-    out[#out + 1] = 1
+for r = 3 + 2 * m, #ARGV, 2 do
+  local n = tonumber(ARGV[r])
+  local maxwait = tonumber(ARGV[r + 1])
+  local slot = now
+  for i = 1, m do
+    local at = tat[i] + (n - 1) * interval[i] - tau[i]
+    if at > slot then slot = at end
   end
+  local wait = slot - now
+  local booked = not (maxwait >= 0 and wait > maxwait)
+  out[#out + 1] = booked and 1 or 0
   out[#out + 1] = wait
-  out[#out + 1] = tat
+  for i = 1, m do out[#out + 1] = tat[i] end
+  if booked then
+    for i = 1, m do
+      if slot > tat[i] then tat[i] = slot end
+      tat[i] = tat[i] + n * interval[i]
+    end
+  end
 end
 
-if tat ~= first then
-  redis.call('SET', KEYS[1], string.format('%d', tat),
-    'PX', string.format('%d', math.ceil((tat - now) / 1000) + 1))
+for i = 1, m do
+  if tat[i] ~= first[i] then
+    redis.call('SET', KEYS[i], string.format('%d', tat[i]),
+      'PX', string.format('%d', math.ceil((tat[i] - now) / 1000) + 1))
+  end
 end
 return out

@@ -1,0 +1,283 @@
+package throttle
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Result is the outcome of a check-mode call (Allow, AllowN, AllowAll).
+type Result struct {
+	// Allowed reports whether the request passed; if so it has been counted.
+	Allowed bool
+	// Remaining is how many more units would pass right now (under several
+	// limits, the fewest any of them has).
+	Remaining int
+	// RetryAfter is, for a denied request, the exact time until a request of
+	// the same size would pass if nobody else takes the room first. It is 0
+	// when Allowed.
+	RetryAfter time.Duration
+	// ResetAfter is the time until the key is back to its idle state, with
+	// Burst+1 units available (under several limits, the longest).
+	ResetAfter time.Duration
+}
+
+// Allow is shorthand for AllowN(ctx, key, limit, 1).
+func (e *Engine) Allow(ctx context.Context, key string, limit Limit) (Result, error) {
+	return e.AllowN(ctx, key, limit, 1)
+}
+
+// AllowN reports whether n units may pass for key now, and counts them if
+// so. A denial is a Result with Allowed false, not an error; an error means
+// the request was bad (ErrInvalidLimit, ErrExceedsBurst, ErrInvalidRequest;
+// no Redis call made) or Redis failed (ErrUnavailable when it could not be
+// reached).
+func (e *Engine) AllowN(ctx context.Context, key string, limit Limit, n int) (Result, error) {
+	return e.AllowAll(ctx, []string{key}, []Limit{limit}, n)
+}
+
+// AllowAll is AllowN under several limits at once (keys[i] holds the state
+// of limits[i]): n units pass only if every limit allows them now, and then
+// count in all of them. The keys must share a hash tag.
+func (e *Engine) AllowAll(ctx context.Context, keys []string, limits []Limit, n int) (Result, error) {
+	bs, err := e.book(ctx, keys, limits, []Request{{N: n, MaxWait: 0}})
+	if err != nil {
+		return Result{}, err
+	}
+	b := bs[0]
+	r := Result{Allowed: b.OK, Remaining: MaxBatch}
+	for i, l := range limits {
+		I := l.intervalMicros()
+		tau := I * int64(l.Burst)
+		remaining := max(0, min((b.now+tau-b.ends[i])/I+1, int64(l.Burst)+1))
+		r.Remaining = min(r.Remaining, int(remaining))
+		r.ResetAfter = max(r.ResetAfter, time.Duration(max(0, b.ends[i]-b.now))*time.Microsecond)
+	}
+	if b.OK {
+		e.observer.ObserveDecision(label(keys[0]), Allowed, 0)
+	} else {
+		r.RetryAfter = b.Wait
+		e.observer.ObserveDecision(label(keys[0]), Denied, b.Wait)
+	}
+	return r, nil
+}
+
+// A Request asks for N units with a bound on the wait for their slot.
+type Request struct {
+	N       int           // units wanted, 1 to Burst+1 (of every limit)
+	MaxWait time.Duration // longest acceptable wait, >= 0; Forever for no bound
+}
+
+// A Booking is the engine's answer to one Request.
+type Booking struct {
+	// OK reports whether the slot was booked. A refused request booked
+	// nothing.
+	OK bool
+	// N is the number of units asked for.
+	N int
+	// Wait is the exact delay, measured on the Redis clock at the moment of
+	// the decision, until the slot. For a refusal it is the delay the slot
+	// would have needed: the exact retry-after.
+	Wait time.Duration
+	// At is the slot on the Redis clock (decision time plus Wait).
+	At time.Time
+
+	now    int64   // decision time, microseconds on the Redis clock
+	starts []int64 // each key's TAT before the decision
+	ends   []int64 // each key's TAT after it
+}
+
+// Book is shorthand for BookBatch with one request.
+func (e *Engine) Book(ctx context.Context, key string, limit Limit, req Request) (Booking, error) {
+	bs, err := e.BookBatch(ctx, key, limit, []Request{req})
+	if err != nil {
+		return Booking{}, err
+	}
+	return bs[0], nil
+}
+
+// BookBatch judges reqs in order against key in one Redis call, booking each
+// one whose slot lies within its MaxWait. Each request is judged on its own:
+// a refusal books nothing and does not stop the requests after it. The
+// result has one Booking per request, in the same order.
+//
+// Bad input (an invalid limit, an empty or over-long key, N <= 0,
+// N > Burst+1, a negative MaxWait, no requests or more than MaxBatch) is
+// reported before any Redis call.
+func (e *Engine) BookBatch(ctx context.Context, key string, limit Limit, reqs []Request) ([]Booking, error) {
+	return e.BookAll(ctx, []string{key}, []Limit{limit}, reqs)
+}
+
+// BookAll is BookBatch under several limits at once (keys[i] holds the
+// state of limits[i], for instance 10 a second and 10,000 a day): a
+// request's slot is the earliest time every limit allows it, and if it is
+// booked, every limit counts it. The keys must share a hash tag ("{...}",
+// see HashTag) so that a Redis Cluster holds them on one node.
+func (e *Engine) BookAll(ctx context.Context, keys []string, limits []Limit, reqs []Request) ([]Booking, error) {
+	bs, err := e.book(ctx, keys, limits, reqs)
+	for _, b := range bs {
+		if b.OK {
+			e.observer.ObserveDecision(label(keys[0]), Booked, b.Wait)
+		} else {
+			e.observer.ObserveDecision(label(keys[0]), Refused, b.Wait)
+		}
+	}
+	return bs, err
+}
+
+func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs []Request) ([]Booking, error) {
+	if err := checkKeysLimits(keys, limits); err != nil {
+		return nil, err
+	}
+	if len(reqs) == 0 || len(reqs) > MaxBatch {
+		return nil, fmt.Errorf("%w: batch of %d requests (want 1 to %d)", ErrInvalidRequest, len(reqs), MaxBatch)
+	}
+	m := len(keys)
+	args := make([]any, 0, 2+2*m+2*len(reqs))
+	args = append(args, nowArg(ctx), m)
+	for _, l := range limits {
+		I := l.intervalMicros()
+		args = append(args, I, I*int64(l.Burst))
+	}
+	for _, r := range reqs {
+		for _, l := range limits {
+			if err := checkRequest(r, l); err != nil {
+				return nil, err
+			}
+		}
+		w := int64(-1)
+		if us := ceilMicros(r.MaxWait); r.MaxWait != Forever && us < maxMicros {
+			w = us
+		}
+		args = append(args, r.N, w)
+	}
+
+	per := 2 + m
+	vals, err := e.run(ctx, bookScript, keys, args, 1+per*len(reqs))
+	if err != nil {
+		return nil, fmt.Errorf("throttle: book %q: %w", keys[0], err)
+	}
+	now := vals[0]
+	out := make([]Booking, len(reqs))
+	for i, r := range reqs {
+		v := vals[1+per*i : 1+per*(i+1)]
+		b := Booking{
+			OK:     v[0] == 1,
+			N:      r.N,
+			Wait:   time.Duration(v[1]) * time.Microsecond,
+			At:     time.UnixMicro(now + v[1]),
+			now:    now,
+			starts: v[2:],
+			ends:   v[2:],
+		}
+		if b.OK { // each limit advanced from the slot: tat = max(tat, slot) + n*I
+			slot := now + v[1]
+			b.ends = make([]int64, m)
+			for k, l := range limits {
+				b.ends[k] = max(b.starts[k], slot) + int64(r.N)*l.intervalMicros()
+			}
+		}
+		out[i] = b
+	}
+	return out, nil
+}
+
+// Refund gives back b, which must have been booked for key under limit, as
+// golang.org/x/time/rate's Reservation.Cancel does: only if its slot has not
+// come yet, and only the part that bookings made after it have not built
+// on, so they keep their slots. It returns how much time was given back.
+// Refunding a refused booking, or one whose slot has passed, is a no-op.
+func (e *Engine) Refund(ctx context.Context, key string, limit Limit, b Booking) (time.Duration, error) {
+	given, err := e.RefundAll(ctx, []string{key}, []Limit{limit}, b)
+	if err != nil {
+		return 0, err
+	}
+	return given[0], nil
+}
+
+// RefundAll is Refund for a booking made by BookAll: it gives back to each
+// limit, and returns the time given back to each.
+func (e *Engine) RefundAll(ctx context.Context, keys []string, limits []Limit, b Booking) ([]time.Duration, error) {
+	if err := checkKeysLimits(keys, limits); err != nil {
+		return nil, err
+	}
+	if !b.OK {
+		return make([]time.Duration, len(keys)), nil
+	}
+	if len(b.ends) != len(keys) || len(b.starts) != len(keys) {
+		return nil, fmt.Errorf("%w: booking of %d limits refunded to %d", ErrInvalidRequest, len(b.ends), len(keys))
+	}
+	args := []any{nowArg(ctx), b.now + int64(b.Wait/time.Microsecond)}
+	for i := range limits {
+		args = append(args, b.starts[i], b.ends[i])
+	}
+	vals, err := e.run(ctx, refundScript, keys, args, 1+len(keys))
+	if err != nil {
+		return nil, fmt.Errorf("throttle: refund %q: %w", keys[0], err)
+	}
+	given := make([]time.Duration, len(keys))
+	for i := range given {
+		given[i] = time.Duration(vals[1+i]) * time.Microsecond
+	}
+	e.observer.ObserveRefund(label(keys[0]), given[0])
+	return given, nil
+}
+
+// Block is shared back-off: after an upstream answered "429, retry after
+// d", it makes sure no slot for key is granted before d from now (on the
+// Redis clock), for every process. Slots booked before keep their times;
+// from then on requests resume one interval apart, not in a burst.
+func (e *Engine) Block(ctx context.Context, key string, limit Limit, d time.Duration) error {
+	return e.BlockAll(ctx, []string{key}, []Limit{limit}, d)
+}
+
+// BlockAll is Block for a subject with several limits.
+func (e *Engine) BlockAll(ctx context.Context, keys []string, limits []Limit, d time.Duration) error {
+	if err := checkKeysLimits(keys, limits); err != nil {
+		return err
+	}
+	if d < 0 || ceilMicros(d) >= maxMicros {
+		return fmt.Errorf("%w: block for %v", ErrInvalidRequest, d)
+	}
+	args := []any{nowArg(ctx), ceilMicros(d)}
+	for _, l := range limits {
+		args = append(args, l.intervalMicros()*int64(l.Burst))
+	}
+	if _, err := e.run(ctx, blockScript, keys, args, 1+len(keys)); err != nil {
+		return fmt.Errorf("throttle: block %q: %w", keys[0], err)
+	}
+	return nil
+}
+
+// run runs s on the prefixed keys through the breaker, within the timeout,
+// and checks that the reply is an array of want integers.
+func (e *Engine) run(ctx context.Context, s *redis.Script, keys []string, args []any, want int) ([]int64, error) {
+	if !e.breaker.allow() {
+		return nil, fmt.Errorf("%w (failing fast until a probe succeeds)", ErrUnavailable)
+	}
+	full := make([]string, len(keys))
+	for i, k := range keys {
+		full[i] = e.prefix + k
+	}
+	callCtx, cancel := e.callContext(ctx)
+	defer cancel()
+	start := time.Now()
+	reply, err := s.Run(callCtx, e.rdb, full, args...).Result()
+	e.observer.ObserveCall(label(keys[0]), time.Since(start), err)
+	switch {
+	case err == nil:
+		e.breaker.success()
+		return int64s(reply, want)
+	case ctx.Err() != nil: // the caller gave up: no verdict on Redis
+		e.breaker.abandon()
+		return nil, err
+	case unavailable(err):
+		e.breaker.failure()
+		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
+	default: // Redis answered, with an error
+		e.breaker.success()
+		return nil, err
+	}
+}

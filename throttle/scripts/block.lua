@@ -1,0 +1,37 @@
+-- block.lua: shared back-off. Pushes each key's TAT so that no slot is
+-- granted before now + d, for every process: after an upstream "429, retry
+-- after d". Slots booked before keep their times. Requests resume one
+-- interval apart from then, not in a burst.
+--
+-- KEYS      the keys
+-- ARGV[1]   "" to read the clock with TIME; a microsecond count in tests
+-- ARGV[2]   d, microseconds
+-- ARGV[3..] per key, tau (burst * I)
+--
+-- Returns {now, tat_1 .. tat_m}.
+local now
+if ARGV[1] == '' then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+else
+  now = tonumber(ARGV[1])
+end
+local until_ = now + tonumber(ARGV[2])
+local out = {now}
+for i = 1, #KEYS do
+  -- The first slot is tat - tau: put it at until_.
+  local target = until_ + tonumber(ARGV[2 + i])
+  local tat = target
+  local stored = redis.call('GET', KEYS[i])
+  if stored then
+    local v = tonumber(stored)
+    if v == nil then
+      return redis.error_reply('slotbook: key ' .. KEYS[i] .. ' does not hold a TAT')
+    end
+    if v > tat then tat = v end
+  end
+  redis.call('SET', KEYS[i], string.format('%d', tat),
+    'PX', string.format('%d', math.ceil((tat - now) / 1000) + 1))
+  out[#out + 1] = tat
+end
+return out
