@@ -233,7 +233,10 @@ func (e *Engine) Block(ctx context.Context, key string, limit Limit, d time.Dura
 	return e.BlockAll(ctx, []string{key}, []Limit{limit}, d)
 }
 
-// BlockAll is Block for a subject with several limits.
+// BlockAll is Block for a subject with several limits. Holding back one
+// limit is enough to hold back every slot, so only the limit with the
+// shortest interval is pushed: requests resume at its pace, and the other
+// limits keep their state (pushing a per-day limit would spend its burst).
 func (e *Engine) BlockAll(ctx context.Context, keys []string, limits []Limit, d time.Duration) error {
 	if err := checkKeysLimits(keys, limits); err != nil {
 		return err
@@ -241,12 +244,16 @@ func (e *Engine) BlockAll(ctx context.Context, keys []string, limits []Limit, d 
 	if d < 0 || ceilMicros(d) >= maxMicros {
 		return fmt.Errorf("%w: block for %v", ErrInvalidRequest, d)
 	}
-	args := []any{nowArg(ctx), ceilMicros(d)}
-	for _, l := range limits {
-		args = append(args, l.intervalMicros()*int64(l.Burst))
+	k := 0
+	for i, l := range limits {
+		if l.intervalMicros() < limits[k].intervalMicros() {
+			k = i
+		}
 	}
-	if _, err := e.run(ctx, blockScript, keys, args, 1+len(keys)); err != nil {
-		return fmt.Errorf("throttle: block %q: %w", keys[0], err)
+	l := limits[k]
+	args := []any{nowArg(ctx), ceilMicros(d), l.intervalMicros() * int64(l.Burst)}
+	if _, err := e.run(ctx, blockScript, keys[k:k+1], args, 2); err != nil {
+		return fmt.Errorf("throttle: block %q: %w", keys[k], err)
 	}
 	return nil
 }
