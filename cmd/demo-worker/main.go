@@ -1,9 +1,13 @@
 // Command demo-worker runs the seed experiment: clients share one rate
-// limit through Redis, first retrying after each denial, then reserving
-// their slots, and prints what each mode cost.
+// limit through Redis in three modes side by side (retrying after each
+// denial, reserving their slots, and a worker pool booking in batches) and
+// prints what each mode cost.
 //
-//	go run ./cmd/demo-worker                          # embedded Redis, 20 clients, 10/s burst 5, 3 s
+//	go run ./cmd/demo-worker                              # embedded Redis, 20 clients, 10/s burst 5, 3 s
 //	go run ./cmd/demo-worker -redis redis://127.0.0.1:6379/0
+//	go run ./cmd/demo-worker -plot timeline.png           # draw each client's starts
+//	go run ./cmd/demo-worker -processes 3                 # three OS processes share the quota
+//	go run ./cmd/demo-worker -metrics 127.0.0.1:9090      # serve /metrics while running
 package main
 
 import (
@@ -27,6 +31,7 @@ import (
 
 	"github.com/slotbook/slotbook/internal/callcount"
 	"github.com/slotbook/slotbook/internal/contention"
+	"github.com/slotbook/slotbook/metrics"
 	"github.com/slotbook/slotbook/reserve"
 	"github.com/slotbook/slotbook/throttle"
 )
@@ -54,6 +59,14 @@ type options struct {
 	modes    []string
 	json     bool
 	quiet    bool
+	plot     string
+	metrics  string
+
+	// Distributed mode.
+	processes int       // coordinator: worker processes to start
+	role      string    // "worker" for one of them
+	key       string    // the shared key
+	start     time.Time // when workers begin
 }
 
 var allModes = []string{"retry", "reserve", "pool"}
@@ -69,7 +82,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "demo-worker:", err)
 		return 2
 	}
-	if err := demo(ctx, o, stdout, stderr); err != nil {
+	switch {
+	case o.role == "worker":
+		err = worker(ctx, o, stdout)
+	case o.processes > 0:
+		err = coordinate(ctx, o, stdout, stderr)
+	default:
+		err = demo(ctx, o, stdout, stderr)
+	}
+	if err != nil {
 		fmt.Fprintln(stderr, "demo-worker:", err)
 		return 1
 	}
@@ -79,7 +100,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 func parseFlags(args []string, stderr io.Writer) (options, error) {
 	var o options
 	fs := flag.NewFlagSet("demo-worker", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs.SetOutput(io.Discard) // errors are reported in one line by run
 	fs.StringVar(&o.redisURL, "redis", "", "Redis URL (redis:// or rediss://, with auth if needed); empty: an embedded Redis")
 	fs.IntVar(&o.clients, "clients", 20, "competing clients")
 	fs.IntVar(&o.rate, "rate", 10, "requests per period")
@@ -90,8 +111,21 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	modes := fs.String("modes", strings.Join(allModes, ","), "modes to run, comma-separated: "+strings.Join(allModes, ", "))
 	fs.BoolVar(&o.json, "json", false, "print one JSON object per mode instead of the table")
 	fs.BoolVar(&o.quiet, "quiet", false, "no progress lines (the default when stderr is not a terminal)")
+	fs.StringVar(&o.plot, "plot", "", "write a timeline of each mode's starts to this .png file")
+	fs.StringVar(&o.metrics, "metrics", "", "serve Prometheus /metrics on this address while running")
+	fs.IntVar(&o.processes, "processes", 0, "distributed mode: share the -clients between this many worker processes on one key, and print their combined table")
+	fs.StringVar(&o.role, "role", "", `"worker": run as one process of a distributed run (needs -redis and -key)`)
+	fs.StringVar(&o.key, "key", "", "distributed mode: the key the processes share")
+	startNS := fs.Int64("start-unix-ns", 0, "distributed mode: when the workers begin")
 	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			fs.SetOutput(stderr)
+			fs.Usage()
+		}
 		return o, err
+	}
+	if *startNS > 0 {
+		o.start = time.Unix(0, *startNS)
 	}
 	if f, ok := stderr.(*os.File); !ok || !isTerminal(f) {
 		o.quiet = true
@@ -106,6 +140,19 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		return o, fmt.Errorf("-duration %v: must be positive", o.duration)
 	case o.maxWait < 0:
 		return o, fmt.Errorf("-max-wait %v: must not be negative", o.maxWait)
+	case o.processes < 0 || o.processes > 64 || (o.processes > o.clients):
+		return o, fmt.Errorf("-processes %d: want 1 to 64, and no more than -clients", o.processes)
+	case o.role != "" && o.role != "worker":
+		return o, fmt.Errorf("-role %q: the only role is \"worker\"", o.role)
+	case o.role == "worker" && (o.redisURL == "" || o.key == ""):
+		return o, errors.New("-role worker needs -redis and -key")
+	case o.plot != "" && !strings.HasSuffix(o.plot, ".png"):
+		return o, fmt.Errorf("-plot %q: want a .png file", o.plot)
+	}
+	if o.redisURL != "" {
+		if _, err := redis.ParseURL(o.redisURL); err != nil {
+			return o, fmt.Errorf("-redis: %w", err)
+		}
 	}
 	if err := throttle.Every(o.period, o.rate, o.burst).Validate(); err != nil {
 		return o, fmt.Errorf("-rate/-burst/-period: %w", err)
@@ -130,11 +177,22 @@ func demo(ctx context.Context, o options, stdout, stderr io.Writer) error {
 	// A prefix of its own, so runs against a shared Redis never meet.
 	prefix := "slotbook-demo:" + strconv.FormatInt(time.Now().UnixNano(), 36) + ":"
 
+	var observer throttle.Observer
+	if o.metrics != "" {
+		m := metrics.New()
+		stop, err := serveMetrics(o.metrics, m, stderr)
+		if err != nil {
+			return err
+		}
+		defer stop()
+		observer = m
+	}
+
 	// The modes run side by side, each on a key and a Redis client of its
 	// own, so each counts only its own calls.
 	runs := make([]*modeRun, len(o.modes))
 	for i, mode := range o.modes {
-		r, err := newModeRun(ctx, mode, ropts, prefix, limit, o)
+		r, err := newModeRun(ctx, mode, ropts, prefix, limit, o, observer)
 		if err != nil {
 			return fmt.Errorf("%s: %w", where, err)
 		}
@@ -163,6 +221,12 @@ func demo(ctx context.Context, o options, stdout, stderr io.Writer) error {
 	for i, r := range runs {
 		results[i] = r.res
 	}
+	if o.plot != "" {
+		if err := writePlot(o.plot, results); err != nil {
+			return err
+		}
+		fmt.Fprintf(stderr, "wrote %s\n", o.plot)
+	}
 	if o.json {
 		enc := json.NewEncoder(stdout)
 		for _, res := range results {
@@ -186,10 +250,14 @@ type modeRun struct {
 	res     contention.Result
 }
 
-func newModeRun(ctx context.Context, mode string, ropts *redis.Options, prefix string, limit throttle.Limit, o options) (*modeRun, error) {
+func newModeRun(ctx context.Context, mode string, ropts *redis.Options, prefix string, limit throttle.Limit, o options, observer throttle.Observer) (*modeRun, error) {
 	rdb := redis.NewClient(ropts)
 	calls := callcount.Attach(rdb)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(time.Second))
+	opts := []throttle.Option{throttle.WithPrefix(prefix), throttle.WithTimeout(time.Second)}
+	if observer != nil {
+		opts = append(opts, throttle.WithObserver(observer))
+	}
+	eng, err := throttle.New(rdb, opts...)
 	if err == nil {
 		err = eng.Load(ctx)
 	}

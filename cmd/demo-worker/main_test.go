@@ -4,6 +4,13 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"image/png"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -11,26 +18,32 @@ import (
 
 	"github.com/slotbook/slotbook/internal/contention"
 	"github.com/slotbook/slotbook/internal/redistest"
+	"github.com/slotbook/slotbook/metrics"
+	"github.com/slotbook/slotbook/throttle"
 )
 
-func TestMain(m *testing.M) { redistest.Main(m) }
+func TestMain(m *testing.M) {
+	// Distributed mode starts this binary as its workers.
+	if len(os.Args) > 2 && os.Args[1] == "-role" {
+		os.Exit(run(context.Background(), os.Args[1:], os.Stdout, os.Stderr))
+	}
+	redistest.Main(m)
+}
 
 func TestBadFlags(t *testing.T) {
 	t.Parallel()
 	for _, args := range [][]string{
 		{"-clients", "0"}, {"-rate", "0"}, {"-burst", "-1"}, {"-period", "0s"},
 		{"-duration", "-1s"}, {"-max-wait", "-1s"}, {"-modes", "retry,bogus"},
-		{"-redis", "http://x"}, {"stray"}, {"-nosuchflag"},
+		{"-redis", "http://x"}, {"stray"}, {"-nosuchflag"}, {"-plot", "x.jpg"}, {"-processes", "-1"},
+		{"-role", "boss"}, {"-role", "worker"},
 	} {
 		t.Run(strings.Join(args, " "), func(t *testing.T) {
 			var out, errb bytes.Buffer
 			code := run(context.Background(), args, &out, &errb)
-			if args[0] == "-redis" {
-				require.Equal(t, 1, code, "stderr: %s", errb.String())
-			} else {
-				require.Equal(t, 2, code, "stderr: %s", errb.String())
-			}
-			require.Contains(t, errb.String(), "demo-worker")
+			require.Equal(t, 2, code, "stderr: %s", errb.String())
+			require.Equal(t, 1, strings.Count(errb.String(), "\n"), "one line: %q", errb.String())
+			require.True(t, strings.HasPrefix(errb.String(), "demo-worker: "), errb.String())
 		})
 	}
 }
@@ -72,4 +85,54 @@ func TestDemoTable(t *testing.T) {
 	require.Contains(t, s, "embedded Redis")
 	require.Contains(t, s, "calls/request")
 	require.Regexp(t, `reserve\s+\d+\s+\d+\s+0\s+1\.00`, s)
+}
+
+// TestDistributed starts three worker processes (this test binary, see
+// TestMain) on one real Redis: the combined rate is the limit, within 2%.
+func TestDistributed(t *testing.T) {
+	srv := redistest.Shared(t)
+	srv.RequireReal(t)
+	var out, errb bytes.Buffer
+	code := run(context.Background(), []string{
+		"-redis", "redis://" + srv.Addr, "-processes", "3", "-clients", "9", "-rate", "20", "-burst", "2",
+		"-duration", "1500ms", "-max-wait", "1s",
+	}, &out, &errb)
+	require.Equal(t, 0, code, "stderr: %s", errb.String())
+	m := regexp.MustCompile(`combined rate ([0-9.]+)/s against a limit of 20.000/s`).FindStringSubmatch(out.String())
+	require.NotNil(t, m, out.String())
+	rate, err := strconv.ParseFloat(m[1], 64)
+	require.NoError(t, err)
+	require.InDelta(t, 20, rate, 0.4, "within 2%% of the limit:\n%s", out.String())
+	require.Regexp(t, `(?m)^\s+all\s+\d+\s+\d+\s+0\s+1\.00`, out.String())
+	for _, p := range []string{"1", "2", "3"} {
+		require.Regexp(t, `(?m)^\s+`+p+`\s+[1-9]`, out.String(), "process %s got requests through", p)
+	}
+}
+
+func TestPlot(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "timeline.png")
+	var out, errb bytes.Buffer
+	code := run(context.Background(), []string{"-clients", "4", "-duration", "300ms", "-plot", path}, &out, &errb)
+	require.Equal(t, 0, code, "stderr: %s", errb.String())
+	img, err := os.ReadFile(path)
+	require.NoError(t, err)
+	require.True(t, bytes.HasPrefix(img, []byte("\x89PNG\r\n\x1a\n")), "a PNG")
+	cfg, err := png.DecodeConfig(bytes.NewReader(img))
+	require.NoError(t, err)
+	require.Greater(t, cfg.Width, cfg.Height, "modes side by side")
+}
+
+func TestMetricsEndpoint(t *testing.T) {
+	m := metrics.New()
+	var errb bytes.Buffer
+	addr, stop, err := listenMetrics("127.0.0.1:0", m, &errb)
+	require.NoError(t, err)
+	defer stop()
+	m.ObserveDecision("demo", throttle.Booked, 0)
+	resp, err := http.Get("http://" + addr.String() + "/metrics")
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	require.Contains(t, string(body), `slotbook_decisions_total{limiter="demo",outcome="booked"} 1`)
 }

@@ -30,6 +30,9 @@ type Config struct {
 	// Progress, if set, is called about four times a second with the
 	// requests through so far.
 	Progress func(elapsed time.Duration, through int)
+	// Start, if set, is when the clients begin (processes of a distributed
+	// run agree on it), and what start times are measured from.
+	Start time.Time
 }
 
 // Result is one mode's outcome.
@@ -44,9 +47,9 @@ type Result struct {
 	MeanSpacing     time.Duration     `json:"mean_spacing_ns"` // between starts after the first burst
 	MinSpacing      time.Duration     `json:"min_spacing_ns"`  // between starts after the first burst
 	MaxBookedWait   time.Duration     `json:"max_booked_wait_ns"`
-	Elapsed         time.Duration     `json:"elapsed_ns"` // until the last request started
-	Starts          []time.Duration   `json:"-"`          // each start, from the run's beginning, sorted
-	ByClient        [][]time.Duration `json:"-"`          // each client's starts
+	Elapsed         time.Duration     `json:"elapsed_ns"`          // until the last request started
+	Starts          []time.Duration   `json:"starts_ns,omitempty"` // each start, from the run's beginning, sorted
+	ByClient        [][]time.Duration `json:"-"`                   // each client's starts
 }
 
 // recorder collects starts from concurrent clients.
@@ -59,8 +62,11 @@ type recorder struct {
 	through  atomic.Int64
 }
 
-func newRecorder(clients int) *recorder {
-	return &recorder{t0: time.Now(), byClient: make([][]time.Duration, clients)}
+func newRecorder(clients int, start time.Time) *recorder {
+	if start.IsZero() {
+		start = time.Now()
+	}
+	return &recorder{t0: start, byClient: make([][]time.Duration, clients)}
 }
 
 func (r *recorder) start(client int) {
@@ -156,8 +162,11 @@ func run(ctx context.Context, mode string, cfg Config, step func(context.Context
 	if cfg.Clients <= 0 || cfg.Duration <= 0 {
 		return Result{}, errors.New("contention: clients and duration must be positive")
 	}
+	if err := sleep(ctx, time.Until(cfg.Start)); err != nil {
+		return Result{}, err
+	}
 	calls0 := cfg.Calls()
-	rec := newRecorder(cfg.Clients)
+	rec := newRecorder(cfg.Clients, cfg.Start)
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 
@@ -201,6 +210,20 @@ func run(ctx context.Context, mode string, cfg Config, step func(context.Context
 	return summarize(mode, cfg, rec, cfg.Calls()-calls0), nil
 }
 
+// Spacing returns the mean and minimum gap between sorted starts after the
+// first burst (which passes at once).
+func Spacing(starts []time.Duration, burst int) (mean, least time.Duration) {
+	tail := starts[min(burst, len(starts)):]
+	if len(tail) < 2 {
+		return 0, 0
+	}
+	least = tail[1] - tail[0]
+	for i := 2; i < len(tail); i++ {
+		least = min(least, tail[i]-tail[i-1])
+	}
+	return (tail[len(tail)-1] - tail[0]) / time.Duration(len(tail)-1), least
+}
+
 func summarize(mode string, cfg Config, rec *recorder, calls int64) Result {
 	res := Result{
 		Mode: mode, Clients: cfg.Clients, Limit: cfg.Limit.String(),
@@ -216,14 +239,7 @@ func summarize(mode string, cfg Config, rec *recorder, calls int64) Result {
 		res.CallsPerRequest = float64(calls) / float64(res.Through)
 		res.Elapsed = res.Starts[len(res.Starts)-1]
 	}
-	// Spacing is measured after the first burst, which passes at once.
-	if tail := res.Starts[min(cfg.Limit.Burst, len(res.Starts)):]; len(tail) > 1 {
-		res.MeanSpacing = (tail[len(tail)-1] - tail[0]) / time.Duration(len(tail)-1)
-		res.MinSpacing = tail[1] - tail[0]
-		for i := 2; i < len(tail); i++ {
-			res.MinSpacing = min(res.MinSpacing, tail[i]-tail[i-1])
-		}
-	}
+	res.MeanSpacing, res.MinSpacing = Spacing(res.Starts, cfg.Limit.Burst)
 	return res
 }
 

@@ -1,0 +1,20 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// TestWorkerLoop: 12 units at 4/s burst 2: three at once, then 250ms apart.
+func TestWorkerLoop(t *testing.T) {
+	var out bytes.Buffer
+	start := time.Now()
+	require.NoError(t, run(context.Background(), []string{"-n", "7"}, &out))
+	require.Equal(t, 7, strings.Count(out.String(), "unit"))
+	require.GreaterOrEqual(t, time.Since(start), time.Second, "units 3 to 6 wait 250ms each")
+}
