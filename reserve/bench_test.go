@@ -2,12 +2,11 @@ package reserve_test
 
 import (
 	"context"
-	"sync"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/slotbook/slotbook/internal/contention"
 	"github.com/slotbook/slotbook/reserve"
 	"github.com/slotbook/slotbook/throttle"
 )
@@ -57,25 +56,9 @@ func BenchmarkCoalescingSpeedup(b *testing.B) {
 	rate := func(coalesce bool) (perSec, callsPer float64) {
 		l, err := reserve.New(e.eng, "speedup", highLimit, reserve.WithCoalescing(coalesce))
 		require.NoError(b, err)
-		const goroutines, total = 64, 20_000
-		before := e.calls.Load()
-		start := time.Now()
-		var wg sync.WaitGroup
-		for g := 0; g < goroutines; g++ {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for i := 0; i < total/goroutines; i++ {
-					if _, err := l.Reserve(context.Background(), "k"); err != nil {
-						b.Error(err)
-						return
-					}
-				}
-			}()
-		}
-		wg.Wait()
-		n := float64(total / goroutines * goroutines)
-		return n / time.Since(start).Seconds(), float64(e.calls.Load()-before) / n
+		perSec, callsPer, err = contention.Throughput(context.Background(), l, "k", 64, 20_000, e.calls.Load)
+		require.NoError(b, err)
+		return perSec, callsPer
 	}
 	for i := 0; i < b.N; i++ {
 		on, callsOn := rate(true)

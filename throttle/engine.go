@@ -20,6 +20,10 @@ var (
 	bookSrc    string
 	bookScript = redis.NewScript(bookSrc)
 
+	//go:embed scripts/book1.lua
+	book1Src    string
+	book1Script = redis.NewScript(book1Src)
+
 	//go:embed scripts/refund.lua
 	refundSrc    string
 	refundScript = redis.NewScript(refundSrc)
@@ -154,7 +158,7 @@ func (e *Engine) Unavailable() (bool, time.Duration) {
 func (e *Engine) Load(ctx context.Context) error {
 	ctx, cancel := e.callContext(ctx)
 	defer cancel()
-	for _, s := range []*redis.Script{bookScript, refundScript, heartbeatScript, blockScript, windowScript} {
+	for _, s := range []*redis.Script{bookScript, book1Script, refundScript, heartbeatScript, blockScript, windowScript} {
 		if err := s.Load(ctx, e.rdb).Err(); err != nil {
 			return fmt.Errorf("throttle: load scripts: %w", err)
 		}

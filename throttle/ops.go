@@ -136,7 +136,12 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 	}
 	m := len(keys)
 	args := make([]any, 0, 2+2*m+2*len(reqs))
-	args = append(args, nowArg(ctx), m)
+	args = append(args, nowArg(ctx))
+	script := book1Script
+	if m > 1 || len(reqs) > 1 {
+		script = bookScript
+		args = append(args, m)
+	}
 	for _, l := range limits {
 		I := l.intervalMicros()
 		args = append(args, I, I*int64(l.Burst))
@@ -154,8 +159,9 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 		args = append(args, r.N, w)
 	}
 
+	// Both scripts answer {now, then per request: booked, wait, m TATs}.
 	per := 2 + m
-	vals, err := e.run(ctx, bookScript, keys, args, 1+per*len(reqs))
+	vals, err := e.run(ctx, script, keys, args, 1+per*len(reqs))
 	if err != nil {
 		return nil, fmt.Errorf("throttle: book %q: %w", keys[0], err)
 	}

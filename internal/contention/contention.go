@@ -256,3 +256,32 @@ func sleep(ctx context.Context, d time.Duration) error {
 		return ctx.Err()
 	}
 }
+
+// Throughput has goroutines reserve total slots on key between them, as
+// fast as they can, and returns reservations per second and Redis calls per
+// reservation. With a limit that is never reached it measures the cost of
+// a reservation, coalesced or not.
+func Throughput(ctx context.Context, lim *reserve.Limiter, key string, goroutines, total int, calls func() int64) (perSec, callsPer float64, err error) {
+	each := total / goroutines
+	n := float64(each * goroutines)
+	before := calls()
+	start := time.Now()
+	var (
+		wg   sync.WaitGroup
+		once sync.Once
+	)
+	for g := 0; g < goroutines; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; i < each; i++ {
+				if _, rerr := lim.Reserve(ctx, key); rerr != nil {
+					once.Do(func() { err = rerr })
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	return n / time.Since(start).Seconds(), float64(calls()-before) / n, err
+}

@@ -350,3 +350,13 @@ func (c *Cluster) Client(tb testing.TB) *redis.ClusterClient {
 	tb.Cleanup(func() { _ = cc.Close() })
 	return cc
 }
+
+// Launch starts a redis-server from PATH on a free 127.0.0.1 port, for
+// programs (the benchmark command) rather than tests; Stop stops it.
+func Launch() (*Server, error) {
+	path, err := exec.LookPath("redis-server")
+	if err != nil {
+		return nil, fmt.Errorf("redis-server is not on PATH (apt-get install redis-server), or pass -redis URL")
+	}
+	return startReal(path, 0)
+}

@@ -1,0 +1,536 @@
+// Command slotbench measures slotbook against the alternatives, side by
+// side, against one real Redis in one run: memory per key, cost per check
+// (next to PING), behaviour under contention, and coalescing throughput.
+// Absolute times on a shared machine mean little; the ratios, measured in
+// the same run against the same Redis, are the point. Each target is
+// printed with its ratio, and a missed target says so.
+//
+//	go run ./cmd/slotbench -quick                      # CI-sized, on a redis-server it starts
+//	go run ./cmd/slotbench -out BENCHMARKS.md          # the full run, written as Markdown
+//	go run ./cmd/slotbench -redis redis://127.0.0.1:6379/0 -json
+//
+// On a Redis of your own it writes keys named rate:slotbench-<run>-* and
+// slotbench:* and deletes them afterwards.
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/slotbook/slotbook/internal/callcount"
+	"github.com/slotbook/slotbook/internal/contention"
+	"github.com/slotbook/slotbook/internal/redistest"
+	"github.com/slotbook/slotbook/reserve"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr))
+}
+
+type options struct {
+	redisURL   string
+	quick      bool
+	out        string
+	json       bool
+	keys       int
+	samples    int
+	contention time.Duration
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	var o options
+	fs := flag.NewFlagSet("slotbench", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.StringVar(&o.redisURL, "redis", "", "Redis URL; default: start a redis-server from PATH on a free loopback port")
+	fs.BoolVar(&o.quick, "quick", false, "a CI-sized run: fewer keys and samples")
+	fs.StringVar(&o.out, "out", "", "also write the Markdown report to this file")
+	fs.BoolVar(&o.json, "json", false, "print the report as JSON instead of Markdown")
+	fs.IntVar(&o.keys, "keys", 0, "keys for the memory measurement (default 10000; 2000 with -quick)")
+	fs.IntVar(&o.samples, "samples", 0, "calls per latency measurement (default 20000; 3000 with -quick)")
+	fs.DurationVar(&o.contention, "contention", 3*time.Second, "how long the contention clients start requests")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			fs.SetOutput(stderr)
+			fs.Usage()
+			return 0
+		}
+		fmt.Fprintln(stderr, "slotbench:", err)
+		return 2
+	}
+	if o.keys == 0 {
+		o.keys = map[bool]int{false: 10_000, true: 2_000}[o.quick]
+	}
+	if o.samples == 0 {
+		o.samples = map[bool]int{false: 20_000, true: 3_000}[o.quick]
+	}
+	if o.keys < 100 || o.samples < 100 || o.contention <= 0 || fs.NArg() > 0 {
+		fmt.Fprintln(stderr, "slotbench: -keys and -samples want at least 100, -contention a positive duration, and no arguments")
+		return 2
+	}
+	rep, err := bench(ctx, o, stderr)
+	if err != nil {
+		fmt.Fprintln(stderr, "slotbench:", err)
+		return 1
+	}
+	md := rep.markdown()
+	if o.out != "" {
+		if err := os.WriteFile(o.out, []byte(md), 0o644); err != nil {
+			fmt.Fprintln(stderr, "slotbench:", err)
+			return 1
+		}
+	}
+	if o.json {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(rep); err != nil {
+			fmt.Fprintln(stderr, "slotbench:", err)
+			return 1
+		}
+		return 0
+	}
+	fmt.Fprint(stdout, md)
+	return 0
+}
+
+func bench(ctx context.Context, o options, stderr io.Writer) (*Report, error) {
+	var ropts *redis.Options
+	if o.redisURL == "" {
+		srv, err := redistest.Launch()
+		if err != nil {
+			return nil, err
+		}
+		defer srv.Stop()
+		ropts = srv.Options()
+	} else {
+		var err error
+		if ropts, err = redis.ParseURL(o.redisURL); err != nil {
+			return nil, fmt.Errorf("-redis: %w", err)
+		}
+		ropts.ContextTimeoutEnabled = true
+	}
+	rdb := redis.NewClient(ropts)
+	defer rdb.Close()
+	if err := rdb.Ping(ctx).Err(); err != nil {
+		return nil, fmt.Errorf("redis at %s: %w", ropts.Addr, err)
+	}
+	info, err := rdb.Info(ctx, "server").Result()
+	if err != nil {
+		return nil, err
+	}
+	rep := &Report{
+		Date: time.Now().UTC().Format("2006-01-02 15:04 MST"), Quick: o.quick,
+		Machine: machine(), Go: runtime.Version(), Redis: infoField(info, "redis_version"),
+	}
+	// The engine's keys get the prefix redis_rate uses, so every strategy
+	// keeps the same key names.
+	eng, err := throttle.New(rdb, throttle.WithPrefix("rate:"), throttle.WithTimeout(5*time.Second))
+	if err != nil {
+		return nil, err
+	}
+	if err := eng.Load(ctx); err != nil {
+		return nil, err
+	}
+	run := "slotbench-" + strconv.FormatInt(time.Now().UnixNano()%1e9, 36)
+	strats := strategies(rdb, eng)
+
+	say := func(format string, a ...any) { fmt.Fprintf(stderr, format+"\n", a...) }
+	for i := range strats {
+		say("memory: %s, %d keys", strats[i].name, o.keys)
+		row, err := func() (MemoryRow, error) {
+			if o.redisURL != "" {
+				return measureMemory(ctx, rdb, strats[i], run, o.keys)
+			}
+			// A fresh server for each strategy, so that none pays for
+			// another's dictionary growth or connections.
+			srv, err := redistest.Launch()
+			if err != nil {
+				return MemoryRow{}, err
+			}
+			defer srv.Stop()
+			c := redis.NewClient(srv.Options())
+			defer c.Close()
+			e, err := throttle.New(c, throttle.WithPrefix("rate:"), throttle.WithTimeout(5*time.Second))
+			if err != nil {
+				return MemoryRow{}, err
+			}
+			return measureMemory(ctx, c, strategies(c, e)[i], run, o.keys)
+		}()
+		if err != nil {
+			return nil, fmt.Errorf("memory, %s: %w", strats[i].name, err)
+		}
+		rep.Memory = append(rep.Memory, row)
+	}
+	rep.FreshServers = o.redisURL == ""
+	// The calls whose cost is measured, interleaved in rounds so that the
+	// machine's drift touches each alike.
+	var (
+		latKeys []string
+		probes  []probe
+	)
+	for i, s := range strats {
+		if s.check == nil {
+			continue
+		}
+		key := fmt.Sprintf("%s-lat%d", run, i)
+		latKeys = append(latKeys, s.keyOf(key))
+		probes = append(probes, probe{name: s.name, command: s.command, call: func(ctx context.Context) error {
+			return s.check(ctx, key)
+		}})
+	}
+	open := throttle.PerSecond(1_000_000, 1_000_000)
+	latKeys = append(latKeys, "rate:"+run+"-lat-reserve")
+	probes = append(probes, probe{name: "slotbook reserve (Book)", command: "evalsha", call: func(ctx context.Context) error {
+		_, err := eng.Book(ctx, run+"-lat-reserve", open, throttle.Request{N: 1, MaxWait: time.Second})
+		return err
+	}})
+	latKeys = append(latKeys, run+"-lat-floor")
+	probes = append(probes,
+		probe{name: "reference: EVALSHA of an empty script", command: "evalsha", call: func(ctx context.Context) error {
+			return emptyScript.Run(ctx, rdb, nil).Err()
+		}},
+		probe{name: "reference: a script doing only TIME, GET, SET PX", command: "evalsha", call: func(ctx context.Context) error {
+			return floorScript.Run(ctx, rdb, []string{run + "-lat-floor"}).Err()
+		}})
+	say("latency: %d kinds of call, %d each, in 10 interleaved rounds", len(probes), o.samples)
+	if rep.Latency, err = measureLatency(ctx, rdb, probes, o.samples, 10); err != nil {
+		return nil, err
+	}
+	_ = rdb.Del(ctx, latKeys...).Err()
+
+	say("contention: 20 clients, 10/s burst 5, %v, three modes one after another", o.contention)
+	if rep.Contention, err = measureContention(ctx, ropts, run, o.contention); err != nil {
+		return nil, err
+	}
+	say("coalescing: 64 goroutines on one key")
+	if rep.Coalescing, err = measureCoalescing(ctx, ropts, run, map[bool]int{false: 50_000, true: 10_000}[o.quick]); err != nil {
+		return nil, err
+	}
+	rep.judge()
+	return rep, nil
+}
+
+// MemoryRow is one strategy's memory per key.
+type MemoryRow struct {
+	Name        string  `json:"name"`
+	Keys        int     `json:"keys"`
+	InfoPerKey  float64 `json:"info_bytes_per_key"`  // used_memory delta / keys
+	UsagePerKey float64 `json:"usage_bytes_per_key"` // mean MEMORY USAGE over a sample
+}
+
+func measureMemory(ctx context.Context, rdb *redis.Client, s strategy, run string, keys int) (MemoryRow, error) {
+	names := make([]string, keys)
+	for i := range names {
+		names[i] = fmt.Sprintf("%s-k%06d", run, i)
+	}
+	del := func() error {
+		for i := 0; i < keys; i += 500 {
+			var batch []string
+			for _, n := range names[i:min(i+500, keys)] {
+				batch = append(batch, s.keyOf(n))
+			}
+			if err := rdb.Unlink(ctx, batch...).Err(); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	defer del()
+	// Open the connections the fill will use, and load its script, first.
+	if err := parallel(ctx, 16, 16, func(ctx context.Context, i int) error {
+		if err := rdb.Ping(ctx).Err(); err != nil {
+			return err
+		}
+		if i == 0 {
+			return s.fill(ctx, run+"-warmup")
+		}
+		return nil
+	}); err != nil {
+		return MemoryRow{}, err
+	}
+	_ = rdb.Unlink(ctx, s.keyOf(run+"-warmup")).Err()
+	before, err := usedMemory(ctx, rdb)
+	if err != nil {
+		return MemoryRow{}, err
+	}
+	if err := parallel(ctx, 16, keys, func(ctx context.Context, i int) error { return s.fill(ctx, names[i]) }); err != nil {
+		return MemoryRow{}, err
+	}
+	after, err := usedMemory(ctx, rdb)
+	if err != nil {
+		return MemoryRow{}, err
+	}
+	var usage int64
+	sample := min(keys, 500)
+	for i := 0; i < sample; i++ {
+		u, err := rdb.MemoryUsage(ctx, s.keyOf(names[i*keys/sample]), 0).Result()
+		if err != nil {
+			return MemoryRow{}, err
+		}
+		usage += u
+	}
+	return MemoryRow{Name: s.name, Keys: keys, InfoPerKey: float64(after-before) / float64(keys),
+		UsagePerKey: float64(usage) / float64(sample)}, nil
+}
+
+// LatencyRow is one kind of call's cost, next to PING in the same run.
+type LatencyRow struct {
+	Name        string        `json:"name"`
+	P50         time.Duration `json:"p50_ns"`
+	P99         time.Duration `json:"p99_ns"`
+	PingP50     time.Duration `json:"ping_p50_ns"`
+	PingP99     time.Duration `json:"ping_p99_ns"`
+	UsecPerCall float64       `json:"server_usec_per_call"` // Redis CPU, from INFO commandstats
+}
+
+// probe is one kind of call to time.
+type probe struct {
+	name, command string
+	call          func(context.Context) error
+}
+
+// measureLatency times n calls of each probe, each call after a PING, in
+// rounds: every round runs n/rounds calls of each probe in turn. The
+// server's CPU per call comes from the INFO commandstats deltas of each
+// probe's own phases.
+func measureLatency(ctx context.Context, rdb *redis.Client, probes []probe, n, rounds int) ([]LatencyRow, error) {
+	type acc struct {
+		took, ping  []time.Duration
+		calls, usec int64
+	}
+	accs := make([]acc, len(probes))
+	for _, p := range probes { // warm up: connections, script cache
+		for i := 0; i < 200; i++ {
+			if err := p.call(ctx); err != nil {
+				return nil, fmt.Errorf("%s: %w", p.name, err)
+			}
+		}
+	}
+	per := max(1, n/rounds)
+	for r := 0; r < rounds; r++ {
+		for k, p := range probes {
+			calls0, usec0, err := commandStats(ctx, rdb, p.command)
+			if err != nil {
+				return nil, err
+			}
+			for i := 0; i < per; i++ {
+				t := time.Now()
+				if err := rdb.Ping(ctx).Err(); err != nil {
+					return nil, err
+				}
+				accs[k].ping = append(accs[k].ping, time.Since(t))
+				t = time.Now()
+				if err := p.call(ctx); err != nil {
+					return nil, fmt.Errorf("%s: %w", p.name, err)
+				}
+				accs[k].took = append(accs[k].took, time.Since(t))
+			}
+			calls1, usec1, err := commandStats(ctx, rdb, p.command)
+			if err != nil {
+				return nil, err
+			}
+			accs[k].calls += calls1 - calls0
+			accs[k].usec += usec1 - usec0
+		}
+	}
+	rows := make([]LatencyRow, len(probes))
+	for k, p := range probes {
+		rows[k].Name = p.name
+		rows[k].P50, rows[k].P99 = percentiles(accs[k].took)
+		rows[k].PingP50, rows[k].PingP99 = percentiles(accs[k].ping)
+		if accs[k].calls > 0 {
+			rows[k].UsecPerCall = float64(accs[k].usec) / float64(accs[k].calls)
+		}
+	}
+	return rows, nil
+}
+
+func percentiles(d []time.Duration) (p50, p99 time.Duration) {
+	s := slices.Clone(d)
+	slices.Sort(s)
+	return s[len(s)/2], s[len(s)*99/100]
+}
+
+func measureContention(ctx context.Context, ropts *redis.Options, run string, d time.Duration) ([]contention.Result, error) {
+	limit := throttle.PerSecond(10, 5)
+	var out []contention.Result
+	for _, mode := range []string{"retry", "reserve", "pool"} {
+		rdb := redis.NewClient(ropts)
+		calls := callcount.Attach(rdb)
+		eng, err := throttle.New(rdb, throttle.WithPrefix("slotbench:"+run+":"), throttle.WithTimeout(time.Second))
+		if err == nil {
+			err = eng.Load(ctx)
+		}
+		var lim *reserve.Limiter
+		if err == nil {
+			// One client per process, as in the published experiment.
+			lim, err = reserve.New(eng, "contention", limit, reserve.WithMaxWait(2*time.Second), reserve.WithCoalescing(false))
+		}
+		if err != nil {
+			rdb.Close()
+			return nil, err
+		}
+		cfg := contention.Config{Clients: 20, Limit: limit, Duration: d, MaxWait: 2 * time.Second, Calls: calls.Load}
+		var res contention.Result
+		switch mode {
+		case "retry":
+			res, err = contention.Retry(ctx, lim, mode, cfg)
+		case "reserve":
+			res, err = contention.Reserve(ctx, lim, mode, cfg)
+		case "pool":
+			res, err = contention.Pool(ctx, lim, mode, cfg)
+		}
+		rdb.Close()
+		if err != nil {
+			return nil, err
+		}
+		res.Starts = nil // not for the report
+		out = append(out, res)
+	}
+	return out, nil
+}
+
+// CoalescingRow is reservations per second from 64 goroutines on one key,
+// coalesced and not.
+type CoalescingRow struct {
+	Reservations        int     `json:"reservations"`
+	CoalescedPerSec     float64 `json:"coalesced_per_sec"`
+	UncoalescedPerSec   float64 `json:"uncoalesced_per_sec"`
+	Speedup             float64 `json:"speedup"`
+	CallsPerReservation float64 `json:"coalesced_calls_per_reservation"`
+}
+
+func measureCoalescing(ctx context.Context, ropts *redis.Options, run string, total int) (CoalescingRow, error) {
+	rdb := redis.NewClient(ropts)
+	defer rdb.Close()
+	calls := callcount.Attach(rdb)
+	eng, err := throttle.New(rdb, throttle.WithPrefix("slotbench:"+run+":"), throttle.WithTimeout(5*time.Second))
+	if err != nil {
+		return CoalescingRow{}, err
+	}
+	if err := eng.Load(ctx); err != nil {
+		return CoalescingRow{}, err
+	}
+	open := throttle.PerSecond(1_000_000, 1_000_000)
+	rate := func(coalesce bool) (float64, float64, error) {
+		lim, err := reserve.New(eng, "coalesce", open, reserve.WithCoalescing(coalesce))
+		if err != nil {
+			return 0, 0, err
+		}
+		return contention.Throughput(ctx, lim, "k", 64, total, calls.Load)
+	}
+	on, callsOn, err := rate(true)
+	if err != nil {
+		return CoalescingRow{}, err
+	}
+	off, _, err := rate(false)
+	if err != nil {
+		return CoalescingRow{}, err
+	}
+	return CoalescingRow{Reservations: total, CoalescedPerSec: on, UncoalescedPerSec: off, Speedup: on / off, CallsPerReservation: callsOn}, nil
+}
+
+// parallel runs f for 0..n-1 on workers goroutines.
+func parallel(ctx context.Context, workers, n int, f func(context.Context, int) error) error {
+	var (
+		wg    sync.WaitGroup
+		mu    sync.Mutex // guards next and first
+		next  int
+		first error
+	)
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				mu.Lock()
+				i := next
+				next++
+				stop := first != nil
+				mu.Unlock()
+				if i >= n || stop {
+					return
+				}
+				if err := f(ctx, i); err != nil {
+					mu.Lock()
+					first = cmp(first, err)
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	return first
+}
+
+func cmp(a, b error) error {
+	if a != nil {
+		return a
+	}
+	return b
+}
+
+func usedMemory(ctx context.Context, rdb *redis.Client) (int64, error) {
+	info, err := rdb.Info(ctx, "memory").Result()
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseInt(infoField(info, "used_memory"), 10, 64)
+}
+
+// commandStats returns the calls and microseconds INFO commandstats
+// reports for command so far.
+func commandStats(ctx context.Context, rdb *redis.Client, command string) (calls, usec int64, err error) {
+	info, err := rdb.Info(ctx, "commandstats").Result()
+	if err != nil {
+		return 0, 0, err
+	}
+	line := infoField(info, "cmdstat_"+command)
+	for _, kv := range strings.Split(line, ",") {
+		k, v, _ := strings.Cut(kv, "=")
+		switch k {
+		case "calls":
+			calls, _ = strconv.ParseInt(v, 10, 64)
+		case "usec":
+			usec, _ = strconv.ParseInt(v, 10, 64)
+		}
+	}
+	return calls, usec, nil
+}
+
+func infoField(info, field string) string {
+	sc := bufio.NewScanner(strings.NewReader(info))
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), field+":"); ok {
+			return strings.TrimSpace(v)
+		}
+	}
+	return ""
+}
+
+func machine() string {
+	model := "unknown CPU"
+	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
+		if v := infoField(strings.ReplaceAll(string(b), "\t", ""), "model name"); v != "" {
+			model = strings.TrimSpace(v)
+		}
+	}
+	return fmt.Sprintf("%s, %d cores (GOMAXPROCS %d), %s/%s", model, runtime.NumCPU(), runtime.GOMAXPROCS(0), runtime.GOOS, runtime.GOARCH)
+}

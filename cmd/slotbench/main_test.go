@@ -1,0 +1,69 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/slotbook/slotbook/internal/redistest"
+)
+
+func TestMain(m *testing.M) { redistest.Main(m) }
+
+// TestSmallRun runs every measurement at a small size on redis-servers the
+// command starts itself, and checks the report holds every section and
+// every target with a verdict.
+func TestSmallRun(t *testing.T) {
+	if testing.Short() {
+		t.Skip("about 15 s: skipped with -short")
+	}
+	redistest.Shared(t).RequireReal(t)
+	out := filepath.Join(t.TempDir(), "BENCH.md")
+	var stdout, stderr bytes.Buffer
+	code := run(context.Background(), []string{"-keys", "200", "-samples", "200", "-contention", "1s", "-json", "-out", out}, &stdout, &stderr)
+	require.Equal(t, 0, code, stderr.String())
+
+	var rep Report
+	require.NoError(t, json.Unmarshal(stdout.Bytes(), &rep))
+	require.Len(t, rep.Memory, 5)
+	require.Len(t, rep.Latency, 7)
+	require.Len(t, rep.Contention, 3)
+	require.True(t, rep.FreshServers)
+	require.NotEmpty(t, rep.Redis)
+	require.Len(t, rep.Targets, 10)
+	for _, m := range rep.Memory {
+		require.Positive(t, m.UsagePerKey, m.Name)
+	}
+	for _, l := range rep.Latency {
+		require.Positive(t, l.P50, l.Name)
+		require.Positive(t, l.UsecPerCall, l.Name)
+	}
+	// The counts do not depend on the machine's speed.
+	byName := map[string]Target{}
+	for _, tg := range rep.Targets {
+		byName[tg.Name] = tg
+	}
+	require.True(t, byName["contention: reservation calls per request"].Met)
+	require.True(t, byName["memory per key / integer-plus-expiry floor"].Met)
+	require.True(t, byName["coalescing: Redis calls per reservation"].Met)
+
+	md, err := os.ReadFile(out)
+	require.NoError(t, err)
+	for _, section := range []string{"## Targets", "## Memory per key", "## Cost per check", "## Contention", "## Coalescing"} {
+		require.True(t, strings.Contains(string(md), section), section)
+	}
+}
+
+func TestBadFlags(t *testing.T) {
+	for _, args := range [][]string{{"-keys", "5"}, {"-samples", "1"}, {"-contention", "0s"}, {"stray"}, {"-nope"}} {
+		var stdout, stderr bytes.Buffer
+		require.Equal(t, 2, run(context.Background(), args, &stdout, &stderr), args)
+		require.Equal(t, 1, strings.Count(stderr.String(), "\n"), stderr.String())
+	}
+}

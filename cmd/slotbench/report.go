@@ -1,0 +1,162 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/slotbook/slotbook/internal/contention"
+)
+
+// Report is one slotbench run.
+type Report struct {
+	Date    string `json:"date"`
+	Machine string `json:"machine"`
+	Go      string `json:"go"`
+	Redis   string `json:"redis_version"`
+	Quick   bool   `json:"quick"`
+	// FreshServers: each memory figure comes from a redis-server of its own.
+	FreshServers bool                `json:"fresh_servers"`
+	Memory       []MemoryRow         `json:"memory"`
+	Latency      []LatencyRow        `json:"latency"`
+	Contention   []contention.Result `json:"contention"`
+	Coalescing   CoalescingRow       `json:"coalescing"`
+	Targets      []Target            `json:"targets"`
+}
+
+// Target is one goal, the measured ratio and whether it was met.
+type Target struct {
+	Name  string  `json:"name"`
+	Value float64 `json:"value"`
+	Want  string  `json:"want"`
+	Met   bool    `json:"met"`
+}
+
+func (r *Report) memory(prefix string) MemoryRow {
+	for _, m := range r.Memory {
+		if strings.HasPrefix(m.Name, prefix) {
+			return m
+		}
+	}
+	return MemoryRow{}
+}
+
+func (r *Report) latency(prefix string) LatencyRow {
+	for _, l := range r.Latency {
+		if strings.HasPrefix(l.Name, prefix) {
+			return l
+		}
+	}
+	return LatencyRow{}
+}
+
+func (r *Report) mode(name string) contention.Result {
+	for _, c := range r.Contention {
+		if c.Mode == name {
+			return c
+		}
+	}
+	return contention.Result{}
+}
+
+// judge fills in the targets.
+func (r *Report) judge() {
+	add := func(name string, v float64, want string, met bool) {
+		r.Targets = append(r.Targets, Target{Name: name, Value: v, Want: want, Met: met})
+	}
+	sb, floor := r.memory("slotbook"), r.memory("floor")
+	logm, rr := r.memory("sliding"), r.memory("go-redis")
+	if floor.InfoPerKey > 0 && sb.InfoPerKey > 0 {
+		v := sb.InfoPerKey / floor.InfoPerKey
+		add("memory per key / integer-plus-expiry floor", v, "<= 1.05", v <= 1.05)
+		v = logm.InfoPerKey / sb.InfoPerKey
+		add("sliding log memory per key / slotbook's", v, ">= 20", v >= 20)
+		v = sb.InfoPerKey / rr.InfoPerKey
+		add("memory per key / redis_rate's", v, "< 1", v < 1)
+	}
+	res, rrl := r.latency("slotbook reserve"), r.latency("go-redis")
+	if res.PingP50 > 0 {
+		v := float64(res.P50) / float64(res.PingP50)
+		add("reserve p50 / PING p50", v, "<= 1.3", v <= 1.3)
+	}
+	if rrl.UsecPerCall > 0 {
+		v := res.UsecPerCall / rrl.UsecPerCall
+		add("server CPU per reserve / redis_rate Allow's", v, "<= 0.8", v <= 0.8)
+	}
+	if c := r.mode("reserve"); c.Through > 0 {
+		add("contention: reservation calls per request", c.CallsPerRequest, "1.00", c.CallsPerRequest <= 1.0)
+	}
+	if c := r.mode("pool"); c.Through > 0 {
+		add("contention: pool calls per request", c.CallsPerRequest, "<= 0.10", c.CallsPerRequest <= 0.10)
+	}
+	if c := r.mode("retry"); c.Through > 0 {
+		add("contention: retry-after-denial calls per request", c.CallsPerRequest, "about 18 (15 to 21)",
+			c.CallsPerRequest >= 15 && c.CallsPerRequest <= 21)
+	}
+	if c := r.Coalescing; c.UncoalescedPerSec > 0 {
+		add("coalescing: reservations per second / uncoalesced", c.Speedup, ">= 3", c.Speedup >= 3)
+		add("coalescing: Redis calls per reservation", c.CallsPerReservation, "<= 0.3", c.CallsPerReservation <= 0.3)
+	}
+}
+
+func (r *Report) markdown() string {
+	var b strings.Builder
+	p := func(format string, a ...any) { fmt.Fprintf(&b, format, a...) }
+	size := "full run"
+	if r.Quick {
+		size = "quick run"
+	}
+	p("# slotbook benchmarks\n\n")
+	p("`go run ./cmd/slotbench` (%s), %s. Machine: %s; %s; Redis %s.\n", size, r.Date, r.Machine, r.Go, r.Redis)
+	p("Every figure comes from this one run against one Redis; compare the ratios, not the absolute times.\n\n")
+
+	p("## Targets\n\n| target | measured | want | |\n|---|---:|---|---|\n")
+	for _, t := range r.Targets {
+		mark := "met"
+		if !t.Met {
+			mark = "**missed**"
+		}
+		p("| %s | %.3f | %s | %s |\n", t.Name, t.Value, t.Want, mark)
+	}
+
+	p("\n## Memory per key\n\n%d keys, each allowed %d per minute and filled to the limit, all under the same key names", r.memKeys(), perMinute)
+	if r.FreshServers {
+		p(", each strategy on a fresh redis-server")
+	} else {
+		p(", all on the one Redis given (so each delta may include some of the server's own growth)")
+	}
+	p(".\n\n")
+	p("| strategy | bytes/key (INFO used_memory delta) | bytes/key (MEMORY USAGE) |\n|---|---:|---:|\n")
+	for _, m := range r.Memory {
+		p("| %s | %.1f | %.1f |\n", m.Name, m.InfoPerKey, m.UsagePerKey)
+	}
+
+	p("\n## Cost per check\n\nEach call timed after a PING timed in the same loop; server CPU from INFO commandstats.\n\n")
+	p("| call | p50 | p99 | PING p50 | PING p99 | p50 / PING p50 | server µs/call |\n|---|---:|---:|---:|---:|---:|---:|\n")
+	for _, l := range r.Latency {
+		p("| %s | %s | %s | %s | %s | %.2f | %.2f |\n", l.Name, us(l.P50), us(l.P99), us(l.PingP50), us(l.PingP99),
+			float64(l.P50)/float64(max(l.PingP50, 1)), l.UsecPerCall)
+	}
+
+	p("\n## Contention\n\n20 clients, 10/s burst 5, starting requests for the run's duration, modes one after another.\n\n")
+	p("| mode | through | Redis calls | denials | calls/request | mean spacing | min spacing |\n|---|---:|---:|---:|---:|---:|---:|\n")
+	for _, c := range r.Contention {
+		p("| %s | %d | %d | %d | %.2f | %s | %s |\n", c.Mode, c.Through, c.Calls, c.Denials, c.CallsPerRequest, ms(c.MeanSpacing), ms(c.MinSpacing))
+	}
+
+	c := r.Coalescing
+	p("\n## Coalescing\n\n64 goroutines reserving %d slots on one key under a limit never reached.\n\n", c.Reservations)
+	p("| | reservations/s | Redis calls/reservation |\n|---|---:|---:|\n")
+	p("| coalesced | %.0f | %.3f |\n| uncoalesced | %.0f | 1.000 |\n", c.CoalescedPerSec, c.CallsPerReservation, c.UncoalescedPerSec)
+	return b.String()
+}
+
+func (r *Report) memKeys() int {
+	if len(r.Memory) == 0 {
+		return 0
+	}
+	return r.Memory[0].Keys
+}
+
+func us(d time.Duration) string { return fmt.Sprintf("%.1fµs", float64(d)/float64(time.Microsecond)) }
+func ms(d time.Duration) string { return fmt.Sprintf("%.1fms", float64(d)/float64(time.Millisecond)) }

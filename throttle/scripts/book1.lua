@@ -1,0 +1,25 @@
+-- book1.lua: book.lua for the common case, one request on one key, without
+-- its tables and loops: the same decision and the same reply
+-- {now, booked, wait, tat}, for less server CPU per call.
+--
+-- KEYS[1]  the key holding TAT (integer microseconds on the Redis clock)
+-- ARGV     "" or a test clock, I, tau, n, max_wait (-1: no bound)
+local now
+if ARGV[1] == '' then
+  local t = redis.call('TIME')
+  now = t[1] * 1000000 + t[2]
+else
+  now = tonumber(ARGV[1])
+end
+local interval, tau, n, maxwait = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local tat = tonumber(redis.call('GET', KEYS[1]) or 0)
+if tat == nil then
+  return redis.error_reply('slotbook: key ' .. KEYS[1] .. ' does not hold a TAT')
+end
+if tat < now then tat = now end
+local wait = tat + (n - 1) * interval - tau - now
+if wait < 0 then wait = 0 end
+if maxwait >= 0 and wait > maxwait then return {now, 0, wait, tat} end
+local new = tat + n * interval
+redis.call('SET', KEYS[1], string.format('%d', new), 'PX', string.format('%d', math.ceil((new - now) / 1000) + 1))
+return {now, 1, wait, tat}
