@@ -5,6 +5,7 @@ package slotbook_test
 
 import (
 	"context"
+	"os"
 	"slices"
 	"strconv"
 	"sync"
@@ -22,7 +23,13 @@ import (
 	"github.com/slotbook/slotbook/throttle"
 )
 
-func TestMain(m *testing.M) { redistest.Main(m) }
+func TestMain(m *testing.M) {
+	// TestSoak starts this test binary as its worker processes.
+	if os.Getenv("SOAK_WORKER") == "1" {
+		os.Exit(soakWorker())
+	}
+	redistest.Main(m)
+}
 
 // published is the limit of the published measurements: 10/s, burst 5.
 var published = throttle.PerSecond(10, 5)

@@ -15,9 +15,10 @@ import (
 // queued meanwhile. No goroutine is started: each batch is sent by one of
 // its own callers.
 
-// maxQueue bounds the callers queued for one key. Past it, callers make
-// calls of their own, uncoalesced.
-const maxQueue = 4 * throttle.MaxBatch
+// defaultMaxQueue bounds the callers queued for one key. Past it, callers
+// make calls of their own, uncoalesced, so memory stays bounded whatever
+// the load.
+const defaultMaxQueue = 4 * throttle.MaxBatch
 
 // queue is the state of one key with a call in flight.
 type queue struct {
@@ -46,7 +47,7 @@ func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
 		l.send(c.ctx, key, []*call{c})
 		return c.finish()
 	}
-	if len(q.pending) >= maxQueue {
+	if len(q.pending) >= l.maxQueue {
 		l.mu.Unlock()
 		l.book(c.ctx, key, []*call{c})
 		return c.res, c.err

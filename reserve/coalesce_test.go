@@ -162,3 +162,32 @@ func TestCoalescingCancelledInFlight(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 100*time.Millisecond, r.Booking().Wait, "b's slot was given back")
 }
+
+// TestCoalescingQueueBounded: past the queue bound, callers make calls of
+// their own instead of queueing, so memory stays bounded.
+func TestCoalescingQueueBounded(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	g := newGate(e.rdb)
+	l := e.limiter(t, throttle.PerSecond(1000, 100))
+	reserve.SetMaxQueue(l, 2)
+	ctx := context.Background()
+	require.NoError(t, e.eng.Load(ctx))
+	g.armed.Store(true)
+	errs := make(chan error, 7)
+	reserveOne := func() { _, err := l.Reserve(ctx, "k"); errs <- err }
+	go reserveOne()
+	<-g.entered // the first call in flight
+	for i := 0; i < 6; i++ {
+		go reserveOne()
+	}
+	for i := 0; i < 4; i++ {
+		<-g.entered // four callers past the bound, in flight on their own
+	}
+	require.Equal(t, 2, reserve.QueueLen(l, "k"), "two queued")
+	g.armed.Store(false)
+	close(g.release)
+	for i := 0; i < 7; i++ {
+		require.NoError(t, <-errs)
+	}
+}

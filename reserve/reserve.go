@@ -47,6 +47,7 @@ type Limiter struct {
 	fallback *fallback // nil: Redis failures are errors
 
 	coalesce bool
+	maxQueue int
 	mu       sync.Mutex        // guards queues
 	queues   map[string]*queue // per engine key, while a call is in flight
 }
@@ -140,7 +141,7 @@ func New(eng *throttle.Engine, name string, limit throttle.Limit, opts ...Option
 	}
 	l := &Limiter{
 		eng: eng, name: name, limit: limit, limits: []throttle.Limit{limit}, maxWait: deadline.NoCap, clock: realClock{},
-		coalesce: true, queues: make(map[string]*queue),
+		coalesce: true, maxQueue: defaultMaxQueue, queues: make(map[string]*queue),
 	}
 	for _, opt := range opts {
 		if err := opt(l); err != nil {

@@ -25,7 +25,7 @@ type env struct {
 	prefix string
 }
 
-func newEnv(t *testing.T) *env {
+func newEnv(t testing.TB) *env {
 	t.Helper()
 	srv := redistest.Shared(t)
 	rdb := srv.Client(t)
@@ -45,3 +45,11 @@ func at(base int64, d time.Duration) context.Context {
 
 // base is a fake clock origin near the real one, so key expiry stays sane.
 func base() int64 { return time.Now().UnixMicro() }
+
+// fresh returns e on a key prefix of its own.
+func (e *env) fresh(t testing.TB) *env {
+	prefix := redistest.Prefix(t)
+	eng, err := throttle.New(e.rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
+	require.NoError(t, err)
+	return &env{srv: e.srv, rdb: e.rdb, calls: e.calls, eng: eng, prefix: prefix}
+}

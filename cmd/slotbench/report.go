@@ -131,7 +131,8 @@ func (r *Report) markdown() string {
 		p("| %s | %.1f | %.1f |\n", m.Name, m.InfoPerKey, m.UsagePerKey)
 	}
 
-	p("\n## Cost per check\n\nEach call timed after a PING timed in the same loop; server CPU from INFO commandstats.\n\n")
+	p("\n## Cost per check\n\nEach call timed after a PING timed in the same loop, the kinds of call interleaved in rounds; server CPU from INFO commandstats. ")
+	p("The two reference rows bound what a GCRA script can cost here: an empty script is what any EVALSHA costs, and a script doing only TIME, GET and SET PX (no arithmetic) is what every GCRA in this table must do.\n\n")
 	p("| call | p50 | p99 | PING p50 | PING p99 | p50 / PING p50 | server µs/call |\n|---|---:|---:|---:|---:|---:|---:|\n")
 	for _, l := range r.Latency {
 		p("| %s | %s | %s | %s | %s | %.2f | %.2f |\n", l.Name, us(l.P50), us(l.P99), us(l.PingP50), us(l.PingP99),

@@ -24,12 +24,16 @@ local out = {now}
 local slot = tonumber(ARGV[2])
 for i = 1, #KEYS do
   local give = 0
+  local tat
   local stored = redis.call('GET', KEYS[i])
   if slot > now and stored then
-    local tat = tonumber(stored)
+    tat = tonumber(stored)
     if tat == nil then
       return redis.error_reply('slotbook: key ' .. KEYS[i] .. ' does not hold a TAT')
     end
+    if tat <= now then tat = nil end -- passed: as good as absent
+  end
+  if tat then
     local before, after = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
     local later = tat - after
     if later < 0 then later = 0 end

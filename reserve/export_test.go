@@ -1,0 +1,17 @@
+package reserve
+
+// Test hooks, compiled only into this package's tests.
+
+// SetMaxQueue sets how many callers may queue for one key of l.
+func SetMaxQueue(l *Limiter, n int) { l.maxQueue = n }
+
+// QueueLen returns how many callers are queued for subject key of l.
+func QueueLen(l *Limiter, key string) int {
+	k, _ := l.engineKey(key)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if q, ok := l.queues[k]; ok {
+		return len(q.pending)
+	}
+	return 0
+}

@@ -1,0 +1,200 @@
+package slotbook_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"slices"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/slotbook/slotbook/internal/redistest"
+	"github.com/slotbook/slotbook/reserve"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+var soakFor = flag.Duration("soak", 5*time.Second, "how long TestSoak's processes start requests (the full soak: -soak 20s)")
+
+// soakLimit is the soak's limit: 50/s, burst 2.
+var soakLimit = throttle.PerSecond(50, 2)
+
+// soakReport is what one soak worker process prints.
+type soakReport struct {
+	Confirmed int      `json:"confirmed"` // bookings made
+	Refused   int      `json:"refused"`
+	Started   []int64  `json:"started"` // unix ns, recorded by the worker itself
+	Slots     []int64  `json:"slots"`   // unix µs on the Redis clock
+	Errors    []string `json:"errors"`
+}
+
+// soakWorker runs when the test binary is started as a soak worker (see
+// TestMain): 25 goroutines reserving on one key until the deadline.
+func soakWorker() int {
+	opts := &redis.Options{Addr: os.Getenv("SOAK_ADDR"), ContextTimeoutEnabled: true}
+	rdb := redis.NewClient(opts)
+	defer rdb.Close()
+	eng, err := throttle.New(rdb, throttle.WithPrefix(os.Getenv("SOAK_PREFIX")), throttle.WithTimeout(2*time.Second))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	// 200 workers at 50/s queue for 4 s: a 5 s max wait takes them all.
+	lim, err := reserve.New(eng, "soak", soakLimit, reserve.WithMaxWait(5*time.Second))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	startNS, _ := strconv.ParseInt(os.Getenv("SOAK_START"), 10, 64)
+	until, _ := strconv.ParseInt(os.Getenv("SOAK_UNTIL"), 10, 64)
+	time.Sleep(time.Until(time.Unix(0, startNS)))
+	var (
+		mu  sync.Mutex // guards rep
+		rep soakReport
+		wg  sync.WaitGroup
+	)
+	ctx := context.Background()
+	for g := 0; g < 25; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().UnixNano() < until {
+				r, err := lim.Reserve(ctx, "shared")
+				if err != nil {
+					mu.Lock()
+					rep.Errors = append(rep.Errors, err.Error())
+					mu.Unlock()
+					return
+				}
+				if !r.OK() {
+					mu.Lock()
+					rep.Refused++
+					mu.Unlock()
+					time.Sleep(r.RetryAfter())
+					continue
+				}
+				mu.Lock()
+				rep.Confirmed++
+				mu.Unlock()
+				if err := r.Wait(ctx); err != nil {
+					mu.Lock()
+					rep.Errors = append(rep.Errors, err.Error())
+					mu.Unlock()
+					return
+				}
+				now := time.Now().UnixNano()
+				mu.Lock()
+				rep.Started = append(rep.Started, now)
+				rep.Slots = append(rep.Slots, r.Booking().At.UnixMicro())
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	if err := json.NewEncoder(os.Stdout).Encode(rep); err != nil {
+		return 1
+	}
+	return 0
+}
+
+// TestSoak runs 8 OS processes of 25 workers each on one key at 50/s, every
+// start recorded by the workers themselves: in any window W no more than
+// burst+1+floor(W/interval) start, every confirmed booking starts, and once
+// idle no key is left behind.
+func TestSoak(t *testing.T) {
+	srv := redistest.Shared(t)
+	srv.RequireReal(t)
+	self, err := os.Executable()
+	require.NoError(t, err)
+	prefix := redistest.Prefix(t)
+	start := time.Now().Add(2 * time.Second) // every process up before then
+	until := start.Add(*soakFor)
+
+	reports := make([]soakReport, 8)
+	var wg sync.WaitGroup
+	for p := range reports {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			cmd := exec.Command(self, "-test.run=^$")
+			cmd.Env = append(os.Environ(), "SOAK_WORKER=1", "SOAK_ADDR="+srv.Addr, "SOAK_PREFIX="+prefix,
+				"SOAK_START="+strconv.FormatInt(start.UnixNano(), 10), "SOAK_UNTIL="+strconv.FormatInt(until.UnixNano(), 10))
+			var out, errb bytes.Buffer
+			cmd.Stdout, cmd.Stderr = &out, &errb
+			if err := cmd.Run(); err != nil {
+				t.Errorf("process %d: %v: %s", p, err, errb.String())
+				return
+			}
+			if err := json.Unmarshal(out.Bytes(), &reports[p]); err != nil {
+				t.Errorf("process %d: %v: %q", p, err, out.String())
+			}
+		}()
+	}
+	wg.Wait()
+	if t.Failed() {
+		return
+	}
+
+	var started []time.Time
+	var slots []time.Time
+	var late time.Duration
+	confirmed, refused := 0, 0
+	for p, r := range reports {
+		require.Empty(t, r.Errors, "process %d", p)
+		require.Equal(t, r.Confirmed, len(r.Started), "process %d: every confirmed booking started", p)
+		confirmed += r.Confirmed
+		refused += r.Refused
+		for i := range r.Started {
+			s, slot := time.Unix(0, r.Started[i]), time.UnixMicro(r.Slots[i])
+			require.False(t, s.Before(slot), "process %d started before its slot", p)
+			late = max(late, s.Sub(slot))
+			started = append(started, s)
+			slots = append(slots, slot)
+		}
+	}
+	t.Logf("%d processes: %d confirmed and started, %d refusals, latest start %v after its slot", len(reports), confirmed, refused, late)
+	want := 2 + 1 + int(*soakFor/soakLimit.Interval())
+	require.GreaterOrEqual(t, confirmed, want-5, "the quota was used")
+	checkWindows(t, slots, soakLimit, 0)
+	checkWindows(t, started, soakLimit, late)
+
+	// Once idle, every key goes: none is left without an expiry.
+	ctx := context.Background()
+	rdb := srv.Client(t)
+	keys, err := rdb.Keys(ctx, prefix+"*").Result()
+	require.NoError(t, err)
+	for _, k := range keys {
+		ttl, err := rdb.PTTL(ctx, k).Result()
+		require.NoError(t, err)
+		require.True(t, ttl > 0 || ttl == -2*time.Nanosecond, "key %s has no expiry (PTTL %v)", k, ttl)
+	}
+	require.Eventually(t, func() bool {
+		n, err := rdb.Keys(ctx, prefix+"*").Result()
+		return err == nil && len(n) == 0
+	}, 5*time.Second, 50*time.Millisecond, "keys left once idle")
+}
+
+// checkWindows fails t if in any window W more than burst+1+floor(W/I) of
+// times fall, allowing slack for lateness after the slots.
+func checkWindows(t *testing.T, times []time.Time, limit throttle.Limit, slack time.Duration) {
+	t.Helper()
+	ts := slices.Clone(times)
+	slices.SortFunc(ts, func(a, b time.Time) int { return a.Compare(b) })
+	I := limit.Interval()
+	for i := range ts {
+		for k := i; k < len(ts); k++ {
+			w := ts[k].Sub(ts[i]) + slack
+			if n, allowed := k-i+1, limit.Burst+1+int(w/I); n > allowed {
+				t.Fatalf("%d starts within %v, at most %d allowed", n, w, allowed)
+			}
+		}
+	}
+}
