@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"slices"
 	"strconv"
 	"sync"
 	"testing"
@@ -17,6 +16,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
+	"github.com/slotbook/slotbook/internal/limitcheck"
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/reserve"
 	"github.com/slotbook/slotbook/throttle"
@@ -163,8 +163,8 @@ func TestSoak(t *testing.T) {
 	t.Logf("%d processes: %d confirmed and started, %d refusals, latest start %v after its slot", len(reports), confirmed, refused, late)
 	want := 2 + 1 + int(*soakFor/soakLimit.Interval())
 	require.GreaterOrEqual(t, confirmed, want-5, "the quota was used")
-	checkWindows(t, slots, soakLimit, 0)
-	checkWindows(t, started, soakLimit, late)
+	require.NoError(t, limitcheck.Windows(slots, soakLimit, 0))
+	require.NoError(t, limitcheck.Windows(started, soakLimit, late))
 
 	// Once idle, every key goes: none is left without an expiry.
 	ctx := context.Background()
@@ -180,21 +180,4 @@ func TestSoak(t *testing.T) {
 		n, err := rdb.Keys(ctx, prefix+"*").Result()
 		return err == nil && len(n) == 0
 	}, 5*time.Second, 50*time.Millisecond, "keys left once idle")
-}
-
-// checkWindows fails t if in any window W more than burst+1+floor(W/I) of
-// times fall, allowing slack for lateness after the slots.
-func checkWindows(t *testing.T, times []time.Time, limit throttle.Limit, slack time.Duration) {
-	t.Helper()
-	ts := slices.Clone(times)
-	slices.SortFunc(ts, func(a, b time.Time) int { return a.Compare(b) })
-	I := limit.Interval()
-	for i := range ts {
-		for k := i; k < len(ts); k++ {
-			w := ts[k].Sub(ts[i]) + slack
-			if n, allowed := k-i+1, limit.Burst+1+int(w/I); n > allowed {
-				t.Fatalf("%d starts within %v, at most %d allowed", n, w, allowed)
-			}
-		}
-	}
 }

@@ -3,7 +3,6 @@ package pool_test
 import (
 	"context"
 	"errors"
-	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -15,6 +14,7 @@ import (
 
 	"github.com/slotbook/slotbook/deadline"
 	"github.com/slotbook/slotbook/internal/callcount"
+	"github.com/slotbook/slotbook/internal/limitcheck"
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/pool"
 	"github.com/slotbook/slotbook/reserve"
@@ -86,22 +86,10 @@ func checkJobs(t *testing.T, jobs []*pool.Job, limit throttle.Limit) {
 	t.Logf("latest start %v after its slot", late)
 }
 
-// checkWindows fails t if, in any window W, more than burst+1+floor(W/I)
-// jobs started. slack allows for the clock reads in the jobs, which come
-// after the slot.
-func checkWindows(t *testing.T, at []time.Time, limit throttle.Limit, slack time.Duration) {
+// checkWindows fails t if times break limit (see limitcheck.Windows).
+func checkWindows(t *testing.T, times []time.Time, limit throttle.Limit, slack time.Duration) {
 	t.Helper()
-	at = slices.Clone(at)
-	slices.SortFunc(at, func(a, b time.Time) int { return a.Compare(b) })
-	I := limit.Interval()
-	for i := range at {
-		for k := i; k < len(at); k++ {
-			w := at[k].Sub(at[i]) + slack
-			if allowed := limit.Burst + 1 + int(w/I); k-i+1 > allowed {
-				t.Fatalf("%d starts within %v (from start %d), at most %d allowed", k-i+1, w, i, allowed)
-			}
-		}
-	}
+	require.NoError(t, limitcheck.Windows(times, limit, slack))
 }
 
 func TestPoolRunsEveryJobWithinTheLimit(t *testing.T) {

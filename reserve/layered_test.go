@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/internal/redistest"
@@ -142,4 +143,14 @@ func TestCluster(t *testing.T) {
 	require.NoError(t, l.Pause(ctx, "tenant-0", time.Minute))
 	_, err = eng.Heartbeat(ctx, "api", "p1", time.Second)
 	require.NoError(t, err)
+
+	// A UniversalClient over the cluster's addresses fits as well.
+	uc := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: cluster.Addrs})
+	defer uc.Close()
+	ueng, err := throttle.New(uc, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
+	require.NoError(t, err)
+	ul := layered(t, ueng)
+	r, err := ul.Reserve(ctx, "tenant-1")
+	require.NoError(t, err)
+	require.Equal(t, 9*time.Second, r.Booking().Wait, "the same state, through another client")
 }

@@ -36,8 +36,8 @@ func TestAllowBurstThenSpacing(t *testing.T) {
 	}
 	r, err = e.eng.Allow(at(t0, 100*time.Millisecond-time.Microsecond), "k", tenPerSecond)
 	require.NoError(t, err)
-	if r.Allowed || r.RetryAfter != time.Microsecond {
-		t.Fatalf("1µs early: got %+v, want denied with retry after 1µs", r)
+	if r.Allowed || r.RetryAfter != time.Microsecond || r.Remaining != 0 {
+		t.Fatalf("1µs early: got %+v, want denied with retry after 1µs and nothing remaining", r)
 	}
 	r, err = e.eng.Allow(at(t0, 100*time.Millisecond), "k", tenPerSecond)
 	require.NoError(t, err)

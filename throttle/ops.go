@@ -51,7 +51,10 @@ func (e *Engine) AllowAll(ctx context.Context, keys []string, limits []Limit, n 
 	for i, l := range limits {
 		I := l.intervalMicros()
 		tau := I * int64(l.Burst)
-		remaining := max(0, min((b.now+tau-b.ends[i])/I+1, int64(l.Burst)+1))
+		// Units that fit now: floor((now + tau - tat) / I) + 1. The division
+		// floors: Go's truncates toward zero, which is one too many for a
+		// negative numerator.
+		remaining := max(0, min(floorDiv(b.now+tau-b.ends[i], I)+1, int64(l.Burst)+1))
 		r.Remaining = min(r.Remaining, int(remaining))
 		r.ResetAfter = max(r.ResetAfter, time.Duration(max(0, b.ends[i]-b.now))*time.Microsecond)
 	}
@@ -293,4 +296,13 @@ func (e *Engine) run(ctx context.Context, s *redis.Script, keys []string, args [
 		e.breaker.success()
 		return nil, err
 	}
+}
+
+// floorDiv is a / b rounded down, for b > 0.
+func floorDiv(a, b int64) int64 {
+	q := a / b
+	if a%b != 0 && a < 0 {
+		q--
+	}
+	return q
 }

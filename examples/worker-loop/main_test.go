@@ -8,7 +8,11 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/slotbook/slotbook/internal/redistest"
 )
+
+func TestMain(m *testing.M) { redistest.Main(m) }
 
 // TestWorkerLoop: 12 units at 4/s burst 2: three at once, then 250ms apart.
 func TestWorkerLoop(t *testing.T) {

@@ -1,0 +1,69 @@
+package reserve_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/slotbook/slotbook/reserve"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+func exampleEngine() (*throttle.Engine, func()) {
+	mr, err := miniredis.Run() // any Redis will do; this one is embedded
+	if err != nil {
+		panic(err)
+	}
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	eng, err := throttle.New(rdb)
+	if err != nil {
+		panic(err)
+	}
+	return eng, func() { rdb.Close(); mr.Close() }
+}
+
+// Reserve books without waiting: act after Delay, or Cancel to give the
+// slot back.
+func ExampleLimiter_Reserve() {
+	eng, done := exampleEngine()
+	defer done()
+	lim, err := reserve.New(eng, "reports", throttle.PerSecond(2, 0))
+	if err != nil {
+		panic(err)
+	}
+	ctx := context.Background()
+	first, _ := lim.Reserve(ctx, "tenant-7")
+	second, _ := lim.Reserve(ctx, "tenant-7")
+	fmt.Println(first.OK(), first.Booking().Wait)
+	fmt.Println(second.OK(), second.Booking().Wait.Round(100*time.Millisecond))
+	_ = second.Cancel(ctx) // not needed after all: the next caller gets its slot
+	third, _ := lim.Reserve(ctx, "tenant-7")
+	fmt.Println(third.Booking().Wait.Round(100 * time.Millisecond))
+	// Output:
+	// true 0s
+	// true 500ms
+	// 500ms
+}
+
+// Acquire sleeps until the slot, or refuses at once when the slot would
+// come too late.
+func ExampleLimiter_Acquire() {
+	eng, done := exampleEngine()
+	defer done()
+	lim, err := reserve.New(eng, "partner", throttle.PerSecond(1, 0), reserve.WithMaxWait(100*time.Millisecond))
+	if err != nil {
+		panic(err)
+	}
+	ctx := context.Background()
+	fmt.Println(lim.Acquire(ctx, "eu"))
+	err = lim.Acquire(ctx, "eu")
+	retry, _ := errors.Unwrap(err), 0
+	fmt.Println(errors.Is(err, reserve.ErrMaxWaitExceeded), retry != nil)
+	// Output:
+	// <nil>
+	// true true
+}
