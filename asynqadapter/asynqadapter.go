@@ -52,6 +52,7 @@ type RateLimitedError struct {
 	Err error
 }
 
+// Error describes the refusal and when the task comes back.
 func (e *RateLimitedError) Error() string {
 	return fmt.Sprintf("asynqadapter: rate limited on %q, retry in %v: %v", e.Key, e.RetryAfter, e.Err)
 }

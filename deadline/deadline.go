@@ -65,6 +65,7 @@ func Refuse(bound error, budget, wait time.Duration) *Error {
 	return &Error{Bound: bound, RetryAfter: wait, Budget: max(budget, 0)}
 }
 
+// Error describes the refusal, with the retry-after and the budget.
 func (e *Error) Error() string {
 	if e.Budget == 0 && e.RetryAfter == 0 {
 		return fmt.Sprintf("slotbook: refused: %v (no time left for the work)", e.Bound)

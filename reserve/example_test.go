@@ -9,6 +9,7 @@ import (
 	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/slotbook/slotbook/deadline"
 	"github.com/slotbook/slotbook/reserve"
 	"github.com/slotbook/slotbook/throttle"
 )
@@ -60,10 +61,10 @@ func ExampleLimiter_Acquire() {
 	}
 	ctx := context.Background()
 	fmt.Println(lim.Acquire(ctx, "eu"))
-	err = lim.Acquire(ctx, "eu")
-	retry, _ := errors.Unwrap(err), 0
-	fmt.Println(errors.Is(err, reserve.ErrMaxWaitExceeded), retry != nil)
+	err = lim.Acquire(ctx, "eu") // the next slot is a second away
+	retry, _ := deadline.RetryAfterOf(err)
+	fmt.Println(errors.Is(err, reserve.ErrMaxWaitExceeded), retry.Round(100*time.Millisecond))
 	// Output:
 	// <nil>
-	// true true
+	// true 1s
 }

@@ -85,6 +85,7 @@ type FallbackError struct {
 	Err error
 }
 
+// Error describes the refusal.
 func (e *FallbackError) Error() string {
 	return fmt.Sprintf("reserve: refused by the fallback (retry in %v): %v", e.RetryAfter, e.Err)
 }
