@@ -16,17 +16,20 @@ import (
 )
 
 var (
+	//go:embed scripts/clock.lua
+	clockSrc string
+
 	//go:embed scripts/book.lua
 	bookSrc    string
-	bookScript = redis.NewScript(bookSrc)
+	bookScript = redis.NewScript(clockSrc + bookSrc)
 
 	//go:embed scripts/book1.lua
 	book1Src    string
-	book1Script = redis.NewScript(book1Src)
+	book1Script = redis.NewScript(clockSrc + book1Src)
 
 	//go:embed scripts/refund.lua
 	refundSrc    string
-	refundScript = redis.NewScript(refundSrc)
+	refundScript = redis.NewScript(clockSrc + refundSrc)
 
 	//go:embed scripts/heartbeat.lua
 	heartbeatSrc    string
@@ -34,7 +37,7 @@ var (
 
 	//go:embed scripts/block.lua
 	blockSrc    string
-	blockScript = redis.NewScript(blockSrc)
+	blockScript = redis.NewScript(clockSrc + blockSrc)
 )
 
 // Defaults for New.

@@ -12,7 +12,7 @@ import (
 var (
 	//go:embed scripts/window.lua
 	windowSrc    string
-	windowScript = redis.NewScript(windowSrc)
+	windowScript = redis.NewScript(clockSrc + windowSrc)
 )
 
 // A Window is an exact limit: at most Max events in any span of Span. It is

@@ -4,18 +4,12 @@
 -- interval apart from then, not in a burst.
 --
 -- KEYS      the keys
--- ARGV[1]   "" to read the clock with TIME; a microsecond count in tests
+-- ARGV[1]   "" to read the clock with TIME; a microsecond count in tests (clock.lua)
 -- ARGV[2]   d, microseconds
 -- ARGV[3..] per key, tau (burst * I)
 --
 -- Returns {now, tat_1 .. tat_m}.
-local now
-if ARGV[1] == '' then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-else
-  now = tonumber(ARGV[1])
-end
+-- now: set by clock.lua, put before this script by the engine.
 local until_ = now + tonumber(ARGV[2])
 local out = {now}
 for i = 1, #KEYS do

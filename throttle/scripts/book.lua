@@ -4,7 +4,7 @@
 -- theoretical arrival time, in microseconds on the Redis clock.
 --
 -- KEYS      the m keys (one per limit; in a cluster they share a hash tag)
--- ARGV[1]   "" to read the clock with TIME; a microsecond count in tests
+-- ARGV[1]   "" to read the clock with TIME; a microsecond count in tests (clock.lua)
 -- ARGV[2]   m
 -- ARGV[3..] m pairs (I, tau): emission interval and tolerance (burst * I),
 --           microseconds
@@ -20,13 +20,7 @@
 -- TATs the request was judged against (before it was booked: the caller
 -- computes the TATs after, for a refund to restore). Values stay integral: a Lua number handed to
 -- Redis is formatted with %.17g, so SET gets string.format.
-local now
-if ARGV[1] == '' then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-else
-  now = tonumber(ARGV[1])
-end
+-- now: set by clock.lua, put before this script by the engine.
 
 local m = tonumber(ARGV[2])
 local interval, tau, tat, first = {}, {}, {}, {}

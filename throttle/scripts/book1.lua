@@ -4,13 +4,7 @@
 --
 -- KEYS[1]  the key holding TAT (integer microseconds on the Redis clock)
 -- ARGV     "" or a test clock, I, tau, n, max_wait (-1: no bound)
-local now
-if ARGV[1] == '' then
-  local t = redis.call('TIME')
-  now = t[1] * 1000000 + t[2]
-else
-  now = tonumber(ARGV[1])
-end
+-- now: set by clock.lua, put before this script by the engine.
 local interval, tau, n, maxwait = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local tat = tonumber(redis.call('GET', KEYS[1]) or 0)
 if tat == nil then

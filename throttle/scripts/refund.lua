@@ -7,18 +7,12 @@
 -- limit imposed).
 --
 -- KEYS      the booking's keys
--- ARGV[1]   "" to read the clock with TIME; a microsecond count in tests
+-- ARGV[1]   "" to read the clock with TIME; a microsecond count in tests (clock.lua)
 -- ARGV[2]   the booking's slot (microseconds on the Redis clock)
 -- ARGV[3..] per key, a pair: the TAT just before the booking and just after
 --
 -- Returns {now, given_1 .. given_m}: microseconds given back per key.
-local now
-if ARGV[1] == '' then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-else
-  now = tonumber(ARGV[1])
-end
+-- now: set by clock.lua, put before this script by the engine.
 
 local out = {now}
 local slot = tonumber(ARGV[2])

@@ -13,13 +13,7 @@
 --
 -- Returns {allowed (1/0), retry_after, remaining, reset_after}, times in
 -- microseconds.
-local now
-if ARGV[1] == '' then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-else
-  now = tonumber(ARGV[1])
-end
+-- now: set by clock.lua, put before this script by the engine.
 local span = tonumber(ARGV[2])
 local limit = tonumber(ARGV[3])
 local n = tonumber(ARGV[4])
