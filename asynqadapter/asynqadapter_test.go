@@ -198,7 +198,7 @@ func TestWaitsThenRuns(t *testing.T) {
 
 func TestRedisFailureIsAFailure(t *testing.T) {
 	t.Parallel()
-	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
+	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1, ContextTimeoutEnabled: true})
 	t.Cleanup(func() { rdb.Close() })
 	eng, err := throttle.New(rdb)
 	require.NoError(t, err)

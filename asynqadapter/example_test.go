@@ -23,7 +23,7 @@ func ExampleMiddleware() {
 		panic(err)
 	}
 	defer mr.Close()
-	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr(), ContextTimeoutEnabled: true})
 	defer rdb.Close()
 	eng, _ := throttle.New(rdb)
 	lim, _ := reserve.New(eng, "partner", throttle.PerMinute(6, 0), reserve.WithMaxWait(time.Second))

@@ -18,7 +18,7 @@ func Example() {
 		panic(err)
 	}
 	defer mr.Close()
-	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr(), ContextTimeoutEnabled: true})
 	defer rdb.Close()
 	eng, _ := throttle.New(rdb)
 	lim, _ := reserve.New(eng, "emails", throttle.PerSecond(50, 4))

@@ -19,7 +19,7 @@ func exampleEngine() (*throttle.Engine, func()) {
 	if err != nil {
 		panic(err)
 	}
-	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr(), ContextTimeoutEnabled: true})
 	eng, err := throttle.New(rdb)
 	if err != nil {
 		panic(err)

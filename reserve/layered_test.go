@@ -145,7 +145,7 @@ func TestCluster(t *testing.T) {
 	require.NoError(t, err)
 
 	// A UniversalClient over the cluster's addresses fits as well.
-	uc := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: cluster.Addrs})
+	uc := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: cluster.Addrs, ContextTimeoutEnabled: true})
 	defer uc.Close()
 	ueng, err := throttle.New(uc, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
 	require.NoError(t, err)

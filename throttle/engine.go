@@ -84,9 +84,10 @@ func WithPrefix(prefix string) Option {
 }
 
 // WithTimeout bounds every Redis call the Engine makes (default 50ms). Zero
-// means no bound beyond the caller's context. For the bound to cut a call
-// short rather than only abandon it, build the go-redis client with
-// ContextTimeoutEnabled: true.
+// means no bound beyond the caller's context and the client's own
+// timeouts. A bound needs a go-redis client built with
+// ContextTimeoutEnabled: true (without it a context deadline does not cut a
+// socket read short); New reports a client that lacks it.
 func WithTimeout(d time.Duration) Option {
 	return func(e *Engine) error {
 		if d < 0 {
@@ -123,7 +124,8 @@ func WithProbeBackoff(min, max time.Duration) Option {
 }
 
 // New returns an Engine that runs its scripts through rdb: a go-redis
-// Client, ClusterClient, Ring or failover client all fit. New makes no
+// Client, ClusterClient, Ring or failover client all fit, built with
+// ContextTimeoutEnabled: true unless WithTimeout(0) is given. New makes no
 // network call; the scripts are sent on first use (or by Load).
 func New(rdb redis.Scripter, opts ...Option) (*Engine, error) {
 	if rdb == nil {
@@ -138,8 +140,26 @@ func New(rdb redis.Scripter, opts ...Option) (*Engine, error) {
 			return nil, err
 		}
 	}
+	if e.timeout > 0 && !contextTimeouts(rdb) {
+		return nil, errors.New("throttle: the go-redis client does not let a context deadline cut a call short, " +
+			"so the engine's timeout would not hold: build it with ContextTimeoutEnabled: true (or pass WithTimeout(0))")
+	}
 	e.breaker.notify = e.observer.ObserveBreaker
 	return e, nil
+}
+
+// contextTimeouts reports whether rdb lets a context deadline cut a socket
+// read short, as far as can be told (a client of another kind is trusted).
+func contextTimeouts(rdb redis.Scripter) bool {
+	switch c := rdb.(type) {
+	case *redis.Client:
+		return c.Options().ContextTimeoutEnabled
+	case *redis.ClusterClient:
+		return c.Options().ContextTimeoutEnabled
+	case *redis.Ring:
+		return c.Options().ContextTimeoutEnabled
+	}
+	return true
 }
 
 // Observer returns the engine's observer (a no-op one if none was set), for

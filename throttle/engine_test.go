@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/throttle"
@@ -315,6 +316,14 @@ func TestBadInput(t *testing.T) {
 		if _, err := throttle.New(nil); err == nil {
 			t.Fatal("New(nil) succeeded")
 		}
+	})
+	t.Run("client without context timeouts", func(t *testing.T) {
+		plain := redis.NewClient(&redis.Options{Addr: e.srv.Addr})
+		defer plain.Close()
+		_, err := throttle.New(plain)
+		require.ErrorContains(t, err, "ContextTimeoutEnabled")
+		_, err = throttle.New(plain, throttle.WithTimeout(0))
+		require.NoError(t, err, "no engine timeout, no requirement")
 	})
 	t.Run("negative timeout", func(t *testing.T) {
 		if _, err := throttle.New(e.rdb, throttle.WithTimeout(-time.Second)); err == nil {

@@ -330,7 +330,7 @@ func connect(url string) (*redis.Options, string, func(), error) {
 		if err != nil {
 			return nil, "", nil, fmt.Errorf("embedded Redis: %w", err)
 		}
-		return &redis.Options{Addr: mr.Addr()}, "embedded Redis", mr.Close, nil
+		return &redis.Options{Addr: mr.Addr(), ContextTimeoutEnabled: true}, "embedded Redis", mr.Close, nil
 	}
 	opts, err := redis.ParseURL(url)
 	if err != nil {

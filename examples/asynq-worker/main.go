@@ -51,6 +51,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("-redis: %w", err)
 	}
+	opts.ContextTimeoutEnabled = true // so that slotbook's tight timeouts hold
 	rdb := redis.NewClient(opts)
 	defer rdb.Close()
 
