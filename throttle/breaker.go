@@ -55,14 +55,15 @@ func (b *breaker) allow() bool {
 	return true
 }
 
-// retryAfter is how long until the next probe may go.
-func (b *breaker) retryAfter() time.Duration {
+// state reports whether the breaker is open and how long until the next
+// probe may go.
+func (b *breaker) state() (open bool, probeIn time.Duration) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if !b.open {
-		return 0
+		return false, 0
 	}
-	return max(0, time.Until(b.next))
+	return true, max(0, time.Until(b.next))
 }
 
 func (b *breaker) failure() {

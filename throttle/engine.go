@@ -169,11 +169,7 @@ func (e *Engine) Observer() Observer { return e.observer }
 // Unavailable reports whether calls are failing fast because Redis is
 // unavailable, and if so how long until the next probe.
 func (e *Engine) Unavailable() (bool, time.Duration) {
-	d := e.breaker.retryAfter()
-	e.breaker.mu.Lock()
-	open := e.breaker.open
-	e.breaker.mu.Unlock()
-	return open, d
+	return e.breaker.state()
 }
 
 // Load sends the engine's scripts to Redis, so that the first booking does
