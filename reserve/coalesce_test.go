@@ -22,7 +22,9 @@ import (
 func TestCoalescingBooksEveryCaller(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
-	limit := throttle.PerSecond(1000, 9) // I = 1ms
+	// I = 100ms: long enough that the key cannot expire in real time while
+	// the explicit clock stands still.
+	limit := throttle.PerSecond(10, 9)
 	l := e.limiter(t, limit)
 	ctx := testhook.WithNow(context.Background(), time.Now().UnixMicro())
 	require.NoError(t, e.eng.Load(ctx))
@@ -54,7 +56,7 @@ func TestCoalescingBooksEveryCaller(t *testing.T) {
 	calls := e.calls.Load() - before
 	slices.Sort(waits)
 	for i, w := range waits {
-		want := time.Duration(max(0, i-limit.Burst)) * time.Millisecond
+		want := time.Duration(max(0, i-limit.Burst)) * 100 * time.Millisecond
 		if w != want {
 			t.Fatalf("wait %d = %v, want %v", i, w, want)
 		}
@@ -97,7 +99,9 @@ func TestCoalescingCancelledWhileQueued(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	g := newGate(e.rdb)
-	l := e.limiter(t, throttle.PerSecond(10, 0))
+	// One a minute: the key outlives the test in real time whatever the
+	// explicit clock says.
+	l := e.limiter(t, throttle.PerMinute(1, 0))
 	base := testhook.WithNow(context.Background(), time.Now().UnixMicro())
 	require.NoError(t, e.eng.Load(base))
 	g.armed.Store(true)
@@ -129,7 +133,7 @@ func TestCoalescingCancelledWhileQueued(t *testing.T) {
 	require.NoError(t, ra.err)
 	require.NoError(t, rc.err)
 	require.Equal(t, time.Duration(0), ra.r.Booking().Wait)
-	require.Equal(t, 100*time.Millisecond, rc.r.Booking().Wait, "b booked nothing, so c comes right after a")
+	require.Equal(t, time.Minute, rc.r.Booking().Wait, "b booked nothing, so c comes right after a")
 }
 
 // TestCoalescingCancelledInFlight: a caller cancelled while its batch is in
@@ -138,7 +142,7 @@ func TestCoalescingCancelledInFlight(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	g := newGate(e.rdb)
-	l := e.limiter(t, throttle.PerSecond(10, 0))
+	l := e.limiter(t, throttle.PerMinute(1, 0))
 	base := testhook.WithNow(context.Background(), time.Now().UnixMicro())
 	require.NoError(t, e.eng.Load(base))
 	g.armed.Store(true)
@@ -160,7 +164,7 @@ func TestCoalescingCancelledInFlight(t *testing.T) {
 
 	r, err := l.Reserve(base, "k")
 	require.NoError(t, err)
-	require.Equal(t, 100*time.Millisecond, r.Booking().Wait, "b's slot was given back")
+	require.Equal(t, time.Minute, r.Booking().Wait, "b's slot was given back")
 }
 
 // TestCoalescingQueueBounded: past the queue bound, callers make calls of

@@ -121,13 +121,16 @@ func TestLocalShare(t *testing.T) {
 	t.Logf("local share admitted %d in 1 s (limit/instances = 50)", allowed.Load())
 	require.InDelta(t, 50, allowed.Load(), 10, "within 20%% of limit/instances")
 
-	// Reservations wait for their local slot within the budget.
-	r, err := l.Reserve(ctx, "k")
+	// Reservations wait for their local slots, 20ms apart.
+	r1, err := l.Reserve(ctx, "k")
 	require.NoError(t, err)
-	require.True(t, r.Fallback())
-	require.True(t, r.OK())
-	require.InDelta(t, float64(20*time.Millisecond), float64(r.Delay()), float64(5*time.Millisecond))
-	require.NoError(t, r.Cancel(ctx))
+	r2, err := l.Reserve(ctx, "k")
+	require.NoError(t, err)
+	require.True(t, r1.Fallback() && r2.Fallback())
+	require.True(t, r1.OK() && r2.OK())
+	require.InDelta(t, float64(20*time.Millisecond), float64(r2.SlotAt().Sub(r1.SlotAt())), float64(2*time.Millisecond))
+	require.NoError(t, r2.Cancel(ctx))
+	require.NoError(t, r1.Cancel(ctx))
 
 	srv.Restart(t)
 	back := time.Now()
