@@ -12,7 +12,6 @@ import (
 
 	"golang.org/x/time/rate"
 
-	"github.com/slotbook/slotbook/deadline"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -222,10 +221,4 @@ func (l *Limiter) fallbackAllow(key string, n int) (throttle.Result, error) {
 	}
 	obs.ObserveDecision(l.name, throttle.FallbackRefused, after)
 	return throttle.Result{RetryAfter: after}, nil
-}
-
-// budgetOf returns the deadline budget for a fallback decision.
-func (l *Limiter) budgetOf(ctx context.Context, now time.Time) time.Duration {
-	b, _ := deadline.Budget(ctx, now, l.maxWait, l.work)
-	return b
 }

@@ -367,7 +367,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) {
 	useFallback := err != nil && l.fallback != nil && errors.Is(err, throttle.ErrUnavailable)
 	for i, s := range out {
 		if useFallback && s.c.ctx.Err() == nil {
-			s.c.res = l.fallbackReserve(key, s.c.n, arrived, l.budgetOf(s.c.ctx, arrived), err)
+			s.c.res = l.fallbackReserve(key, s.c.n, arrived, s.budget, err)
 			continue
 		}
 		if err != nil {
