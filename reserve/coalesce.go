@@ -2,7 +2,6 @@ package reserve
 
 import (
 	"context"
-	"time"
 
 	"github.com/slotbook/slotbook/throttle"
 )
@@ -98,9 +97,7 @@ func (c *call) finish() (*Reservation, error) {
 		return c.res, c.err
 	}
 	if c.res != nil && c.res.OK() {
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(c.ctx), time.Second)
-		_ = c.res.Cancel(ctx)
-		cancel()
+		c.res.giveBack(c.ctx)
 	}
 	return nil, err
 }

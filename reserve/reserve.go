@@ -481,12 +481,18 @@ func (r *Reservation) Wait(ctx context.Context) error {
 		return r.err
 	}
 	if err := r.lim.clock.Sleep(ctx, r.Delay()); err != nil {
-		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
-		defer cancel()
-		_ = r.Cancel(cctx)
+		r.giveBack(ctx)
 		return err
 	}
 	return nil
+}
+
+// giveBack cancels r for a caller whose ctx has ended: on a context that
+// keeps ctx's values but not its end, so the refund still goes out.
+func (r *Reservation) giveBack(ctx context.Context) {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+	defer cancel()
+	_ = r.Cancel(cctx)
 }
 
 // Cancel gives the slot back if it has not come yet, so others may use it,

@@ -69,7 +69,7 @@ type options struct {
 	start     time.Time // when workers begin
 }
 
-var allModes = []string{"retry", "reserve", "pool"}
+var allModes = contention.Modes
 
 // run is main without the process: it returns the exit code (2 for bad
 // flags).
@@ -283,14 +283,7 @@ func newModeRun(ctx context.Context, mode string, ropts *redis.Options, prefix s
 
 func (r *modeRun) run(ctx context.Context) error {
 	var err error
-	switch r.mode {
-	case "retry":
-		r.res, err = contention.Retry(ctx, r.lim, r.mode, r.cfg)
-	case "reserve":
-		r.res, err = contention.Reserve(ctx, r.lim, r.mode, r.cfg)
-	case "pool":
-		r.res, err = contention.Pool(ctx, r.lim, r.mode, r.cfg)
-	}
+	r.res, err = contention.Run(ctx, r.mode, r.lim, r.mode, r.cfg)
 	r.through.Store(int64(r.res.Through))
 	return err
 }

@@ -371,7 +371,7 @@ func percentiles(d []time.Duration) (p50, p99 time.Duration) {
 func measureContention(ctx context.Context, ropts *redis.Options, run string, d time.Duration) ([]contention.Result, error) {
 	limit := throttle.PerSecond(10, 5)
 	var out []contention.Result
-	for _, mode := range []string{"retry", "reserve", "pool"} {
+	for _, mode := range contention.Modes {
 		rdb := redis.NewClient(ropts)
 		calls := callcount.Attach(rdb)
 		eng, err := throttle.New(rdb, throttle.WithPrefix("slotbench:"+run+":"), throttle.WithTimeout(time.Second))
@@ -388,15 +388,7 @@ func measureContention(ctx context.Context, ropts *redis.Options, run string, d 
 			return nil, err
 		}
 		cfg := contention.Config{Clients: 20, Limit: limit, Duration: d, MaxWait: 2 * time.Second, Calls: calls.Load}
-		var res contention.Result
-		switch mode {
-		case "retry":
-			res, err = contention.Retry(ctx, lim, mode, cfg)
-		case "reserve":
-			res, err = contention.Reserve(ctx, lim, mode, cfg)
-		case "pool":
-			res, err = contention.Pool(ctx, lim, mode, cfg)
-		}
+		res, err := contention.Run(ctx, mode, lim, mode, cfg)
 		rdb.Close()
 		if err != nil {
 			return nil, err

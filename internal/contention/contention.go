@@ -89,6 +89,22 @@ func (r *recorder) booked(wait time.Duration) {
 	r.mu.Unlock()
 }
 
+// Modes are the modes Run knows, in the order they are usually shown.
+var Modes = []string{"retry", "reserve", "pool"}
+
+// Run runs the named mode (one of Modes).
+func Run(ctx context.Context, mode string, lim *reserve.Limiter, key string, cfg Config) (Result, error) {
+	switch mode {
+	case "retry":
+		return Retry(ctx, lim, key, cfg)
+	case "reserve":
+		return Reserve(ctx, lim, key, cfg)
+	case "pool":
+		return Pool(ctx, lim, key, cfg)
+	}
+	return Result{}, fmt.Errorf("contention: unknown mode %q", mode)
+}
+
 // Retry is retry-after-denial: each client checks, and on a denial sleeps
 // exactly the retry-after it was given and checks again.
 func Retry(ctx context.Context, lim *reserve.Limiter, key string, cfg Config) (Result, error) {
