@@ -25,7 +25,7 @@ for i = 1, #KEYS do
     if v > tat then tat = v end
   end
   redis.call('SET', KEYS[i], string.format('%d', tat),
-    'PX', string.format('%d', math.ceil((tat - now) / 1000) + 1))
+    'PX', px(tat))
   out[#out + 1] = tat
 end
 return out

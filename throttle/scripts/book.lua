@@ -64,7 +64,7 @@ end
 for i = 1, m do
   if tat[i] ~= first[i] then
     redis.call('SET', KEYS[i], string.format('%d', tat[i]),
-      'PX', string.format('%d', math.ceil((tat[i] - now) / 1000) + 1))
+      'PX', px(tat[i]))
   end
 end
 return out

@@ -15,5 +15,5 @@ local wait = tat + (n - 1) * interval - tau - now
 if wait < 0 then wait = 0 end
 if maxwait >= 0 and wait > maxwait then return {now, 0, wait, tat} end
 local new = tat + n * interval
-redis.call('SET', KEYS[1], string.format('%d', new), 'PX', string.format('%d', math.ceil((new - now) / 1000) + 1))
+redis.call('SET', KEYS[1], string.format('%d', new), 'PX', px(new))
 return {now, 1, wait, tat}

@@ -39,7 +39,7 @@ for i = 1, #KEYS do
         redis.call('DEL', KEYS[i])
       else
         redis.call('SET', KEYS[i], string.format('%d', newtat),
-          'PX', string.format('%d', math.ceil((newtat - now) / 1000) + 1))
+          'PX', px(newtat))
       end
     else
       give = 0

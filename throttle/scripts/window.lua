@@ -27,7 +27,7 @@ if count + n <= limit then
     -- Unique within this instant: the count grows with every event added.
     redis.call('ZADD', KEYS[1], string.format('%d', now), string.format('%d-%d', now, count + i))
   end
-  redis.call('PEXPIRE', KEYS[1], string.format('%d', math.ceil(span / 1000) + 1))
+  redis.call('PEXPIRE', KEYS[1], string.format('%d', math.ceil(span / 1000) + 1 + hold))
   return {1, 0, limit - count - n, span}
 end
 
