@@ -15,15 +15,7 @@ local out = {now}
 for i = 1, #KEYS do
   -- The first slot is tat - tau: put it at until_.
   local target = until_ + tonumber(ARGV[2 + i])
-  local tat = target
-  local stored = redis.call('GET', KEYS[i])
-  if stored then
-    local v = tonumber(stored)
-    if v == nil then
-      return redis.error_reply('slotbook: key ' .. KEYS[i] .. ' does not hold a TAT')
-    end
-    if v > tat then tat = v end
-  end
+  local tat = math.max(stored(KEYS[i]) or target, target)
   redis.call('SET', KEYS[i], string.format('%d', tat),
     'PX', px(tat))
   out[#out + 1] = tat

@@ -27,15 +27,7 @@ local interval, tau, tat, first = {}, {}, {}, {}
 for i = 1, m do
   interval[i] = tonumber(ARGV[1 + 2 * i])
   tau[i] = tonumber(ARGV[2 + 2 * i])
-  tat[i] = now
-  local stored = redis.call('GET', KEYS[i])
-  if stored then
-    local v = tonumber(stored)
-    if v == nil then
-      return redis.error_reply('slotbook: key ' .. KEYS[i] .. ' does not hold a TAT')
-    end
-    if v > now then tat[i] = v end
-  end
+  tat[i] = math.max(stored(KEYS[i]) or now, now)
   first[i] = tat[i]
 end
 

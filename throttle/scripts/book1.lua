@@ -6,10 +6,7 @@
 -- ARGV     "" or a test clock, I, tau, n, max_wait (-1: no bound)
 -- now: set by clock.lua, put before this script by the engine.
 local interval, tau, n, maxwait = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local tat = tonumber(redis.call('GET', KEYS[1]) or 0)
-if tat == nil then
-  return redis.error_reply('slotbook: key ' .. KEYS[1] .. ' does not hold a TAT')
-end
+local tat = stored(KEYS[1]) or now
 if tat < now then tat = now end
 local wait = tat + (n - 1) * interval - tau - now
 if wait < 0 then wait = 0 end

@@ -20,3 +20,15 @@ end
 local function px(tat)
   return string.format('%d', math.ceil((tat - now) / 1000) + 1 + hold)
 end
+
+-- stored(key): the TAT a key holds, or nil if it holds none. A value that
+-- is not an integer is an error: the key is not slotbook's.
+local function stored(key)
+  local v = redis.call('GET', key)
+  if not v then return nil end
+  local tat = tonumber(v)
+  if tat == nil then
+    error(redis.error_reply('slotbook: key ' .. key .. ' does not hold a TAT'))
+  end
+  return tat
+end

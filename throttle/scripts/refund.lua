@@ -18,15 +18,9 @@ local out = {now}
 local slot = tonumber(ARGV[2])
 for i = 1, #KEYS do
   local give = 0
-  local tat
-  local stored = redis.call('GET', KEYS[i])
-  if slot > now and stored then
-    tat = tonumber(stored)
-    if tat == nil then
-      return redis.error_reply('slotbook: key ' .. KEYS[i] .. ' does not hold a TAT')
-    end
-    if tat <= now then tat = nil end -- passed: as good as absent
-  end
+  local tat = stored(KEYS[i])
+  -- A slot that has come gives nothing back; a passed TAT is as good as absent.
+  if slot <= now or (tat and tat <= now) then tat = nil end
   if tat then
     local before, after = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
     local later = tat - after
