@@ -101,6 +101,44 @@ func (b *breaker) abandon() {
 	b.mu.Unlock()
 }
 
+// ErrReplyLost is matched, together with ErrUnavailable (or the context's
+// error, when the caller's context ended first), by errors for calls that
+// were sent but whose reply never came: a timeout or a broken connection
+// after the command was written. The script may have run: a lost booking
+// reply may have booked slots nobody will use (quota wasted, never
+// exceeded); a lost refund reply may have given the booking back (retrying
+// the refund is safe: refunds are idempotent). An error that matches
+// ErrUnavailable without ErrReplyLost means nothing reached Redis.
+var ErrReplyLost = errors.New("throttle: reply lost, the call may have taken effect")
+
+// ErrCorruptState is matched by errors for a key that holds a value the
+// engine did not write: not an integer count of microseconds, beyond 2^53,
+// or further ahead than any booking under its limit could reach. The
+// message names the key; Engine.Reset (or reserve's Limiter.Reset) clears
+// it. Nothing is written over such a value.
+var ErrCorruptState = errors.New("throttle: corrupt stored state")
+
+// notSent reports whether err shows that the command never reached Redis
+// (or that Redis refused it without running it), so that it certainly took
+// no effect: a failed dial, no connection to be had from the client's pool,
+// or a server that answered it is loading, down or busy.
+func notSent(err error) bool {
+	var op *net.OpError
+	if errors.As(err, &op) && op.Op == "dial" {
+		return true
+	}
+	if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, redis.ErrPoolTimeout) || errors.Is(err, redis.ErrPoolExhausted) {
+		return true
+	}
+	msg := err.Error()
+	for _, p := range []string{"LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "BUSY"} {
+		if strings.HasPrefix(msg, p) {
+			return true
+		}
+	}
+	return false
+}
+
 // unavailable reports whether err means Redis could not be reached or could
 // not serve, as opposed to a reply that was an error.
 func unavailable(err error) bool {

@@ -106,7 +106,7 @@ func (d *differ) request(limits []throttle.Limit) (throttle.Request, model.Reque
 	n := 1 + d.src.Intn(maxN)
 	switch d.src.Intn(4) {
 	case 0:
-		return throttle.Request{N: n, MaxWait: throttle.Forever}, model.Request{N: int64(n), MaxWait: -1}
+		return throttle.Request{N: n, MaxWait: throttle.Forever}, model.Request{N: int64(n), MaxWait: throttle.MaxHorizon.Microseconds()}
 	case 1:
 		return throttle.Request{N: n, MaxWait: 0}, model.Request{N: int64(n)}
 	default:

@@ -38,6 +38,10 @@ var (
 	//go:embed scripts/block.lua
 	blockSrc    string
 	blockScript = redis.NewScript(clockSrc + blockSrc)
+
+	//go:embed scripts/reset.lua
+	resetSrc    string
+	resetScript = redis.NewScript(resetSrc)
 )
 
 // Defaults for New.
@@ -55,7 +59,16 @@ const MaxBatch = 1000
 // MaxLimits is the most limits one subject may have (BookAll and friends).
 const MaxLimits = 8
 
-// Forever, as a Request's MaxWait, accepts a slot however far away it is.
+// MaxHorizon is the furthest ahead a slot may be booked (366 days): a
+// Request's MaxWait beyond it counts as MaxHorizon, and a stored TAT
+// further ahead than any booking within it could reach is ErrCorruptState.
+const MaxHorizon = 366 * 24 * time.Hour
+
+// horizonMicros is MaxHorizon in microseconds (the scripts' HORIZON).
+const horizonMicros = int64(MaxHorizon / time.Microsecond)
+
+// Forever, as a Request's MaxWait, accepts a slot however far away it is,
+// up to MaxHorizon.
 const Forever = time.Duration(math.MaxInt64)
 
 // An Engine books GCRA slots in Redis. It holds no state of its own besides
@@ -177,7 +190,7 @@ func (e *Engine) Unavailable() (bool, time.Duration) {
 func (e *Engine) Load(ctx context.Context) error {
 	ctx, cancel := e.callContext(ctx)
 	defer cancel()
-	for _, s := range []*redis.Script{bookScript, book1Script, refundScript, heartbeatScript, blockScript, windowScript} {
+	for _, s := range []*redis.Script{bookScript, book1Script, refundScript, heartbeatScript, blockScript, resetScript, windowScript} {
 		if err := s.Load(ctx, e.rdb).Err(); err != nil {
 			return fmt.Errorf("throttle: load scripts: %w", err)
 		}

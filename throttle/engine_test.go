@@ -258,15 +258,22 @@ func TestCorruptValueIsAnError(t *testing.T) {
 	b, err = e.eng.Book(ctx, "k", throttle.PerHour(1, 0), throttle.Request{N: 1, MaxWait: throttle.Forever})
 	require.NoError(t, err)
 	require.NoError(t, e.rdb.Set(ctx, e.prefix+"k", "not a number", 0).Err())
-	// Every script that reads a TAT says so: book1.lua, book.lua, block.lua, refund.lua.
+	// Every script that reads a TAT says so, naming the key: book1.lua,
+	// book.lua, block.lua, refund.lua.
+	notTAT := func(err error) {
+		t.Helper()
+		require.ErrorIs(t, err, throttle.ErrCorruptState)
+		require.ErrorContains(t, err, "key "+e.prefix+"k holds \"not a number\", not a TAT")
+		require.NotContains(t, err.Error(), "script:")
+	}
 	_, err = e.eng.Allow(ctx, "k", tenPerSecond)
-	require.ErrorContains(t, err, "does not hold a TAT")
+	notTAT(err)
 	_, err = e.eng.BookBatch(ctx, "k", tenPerSecond, []throttle.Request{{N: 1}, {N: 1}})
-	require.ErrorContains(t, err, "does not hold a TAT")
+	notTAT(err)
 	err = e.eng.Block(ctx, "k", tenPerSecond, time.Second)
-	require.ErrorContains(t, err, "does not hold a TAT")
+	notTAT(err)
 	_, err = e.eng.Refund(ctx, "k", throttle.PerHour(1, 0), b)
-	require.ErrorContains(t, err, "does not hold a TAT")
+	notTAT(err)
 	val, err := e.rdb.Get(ctx, e.prefix+"k").Result()
 	require.NoError(t, err)
 	require.Equal(t, "not a number", val, "no script wrote over it")

@@ -188,11 +188,13 @@ func TestBlock(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, r.Allowed, "other keys are not blocked")
 
-	// A shorter block does not shorten a longer one.
+	// A shorter block does not shorten a longer one. It still moves the
+	// TAT, by a microsecond, so that no booking made before it can be
+	// refunded below it.
 	require.NoError(t, e.eng.Block(at(t0, 0), "k", lim, time.Second))
 	b, err := e.eng.Book(at(t0, 10*time.Millisecond), "k", lim, throttle.Request{N: 1, MaxWait: throttle.Forever})
 	require.NoError(t, err)
-	require.Equal(t, 3290*ms, b.Wait)
+	require.Equal(t, 3290*ms+time.Microsecond, b.Wait)
 
 	require.ErrorIs(t, e.eng.Block(context.Background(), "k", lim, -time.Second), throttle.ErrInvalidRequest)
 }

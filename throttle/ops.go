@@ -3,6 +3,9 @@ package throttle
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -90,6 +93,7 @@ type Booking struct {
 	now    int64   // decision time, microseconds on the Redis clock
 	starts []int64 // each key's TAT before the decision
 	ends   []int64 // each key's TAT after it
+	id     uint64  // names the booking's tombstone once it is given back
 }
 
 // Book is shorthand for BookBatch with one request.
@@ -155,11 +159,7 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 				return nil, err
 			}
 		}
-		w := int64(-1)
-		if us := ceilMicros(r.MaxWait); r.MaxWait != Forever && us < maxMicros {
-			w = us
-		}
-		args = append(args, r.N, w)
+		args = append(args, r.N, min(ceilMicros(min(r.MaxWait, MaxHorizon)), horizonMicros))
 	}
 
 	// Both scripts answer {now, then per request: booked, wait, m TATs}.
@@ -183,6 +183,7 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 		}
 		if b.OK { // each limit advanced from the slot: tat = max(tat, slot) + n*I
 			slot := now + v[1]
+			b.id = rand.Uint64()
 			b.ends = make([]int64, m)
 			for k, l := range limits {
 				b.ends[k] = max(b.starts[k], slot) + int64(r.N)*l.intervalMicros()
@@ -193,10 +194,23 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 	return out, nil
 }
 
-// Refund gives back b, which must have been booked for key under limit, as
-// golang.org/x/time/rate's Reservation.Cancel does: only if its slot has not
-// come yet, and only the part that bookings made after it have not built
-// on, so they keep their slots. It returns how much time was given back.
+// Refund gives back b, which must have been booked for key under limit, so
+// that others may use its room, and returns how much time was given back.
+// It never lets anything through early, so it gives back less than
+// golang.org/x/time/rate's Reservation.Cancel in one case:
+//
+//   - b is given back only if its slot has not come and nothing booked
+//     after it still stands: the key then returns exactly to where it was
+//     before b. Bookings given back latest first (as package pool does)
+//     all come back in full; a booking that later ones were built on gives
+//     nothing back, where x/time/rate gives part (which can let a later
+//     request through early after two cancels).
+//   - A Block after b keeps b's room: refunds never reach below a pause.
+//   - Refund is idempotent: the first call leaves a tombstone (a key that
+//     lives until b's slot), and a second call for b, such as a retry after
+//     a lost reply, gives nothing, even if a new booking has since ended
+//     where b did.
+//
 // Refunding a refused booking, or one whose slot has passed, is a no-op.
 func (e *Engine) Refund(ctx context.Context, key string, limit Limit, b Booking) (time.Duration, error) {
 	given, err := e.RefundAll(ctx, []string{key}, []Limit{limit}, b)
@@ -222,7 +236,8 @@ func (e *Engine) RefundAll(ctx context.Context, keys []string, limits []Limit, b
 	for i := range limits {
 		args = append(args, b.starts[i], b.ends[i])
 	}
-	vals, err := e.run(ctx, refundScript, keys, args, 1+len(keys))
+	withTomb := append(keys[:len(keys):len(keys)], tombstone(keys[0], b.id))
+	vals, err := e.run(ctx, refundScript, withTomb, args, 1+len(keys))
 	if err != nil {
 		return nil, fmt.Errorf("throttle: refund %q: %w", keys[0], err)
 	}
@@ -250,8 +265,8 @@ func (e *Engine) BlockAll(ctx context.Context, keys []string, limits []Limit, d 
 	if err := checkKeysLimits(keys, limits); err != nil {
 		return err
 	}
-	if d < 0 || ceilMicros(d) >= maxMicros {
-		return fmt.Errorf("%w: block for %v", ErrInvalidRequest, d)
+	if d < 0 || d > MaxHorizon {
+		return fmt.Errorf("%w: block for %v (want 0 to MaxHorizon)", ErrInvalidRequest, d)
 	}
 	k := 0
 	for i, l := range limits {
@@ -260,7 +275,7 @@ func (e *Engine) BlockAll(ctx context.Context, keys []string, limits []Limit, d 
 		}
 	}
 	l := limits[k]
-	args := []any{nowArg(ctx), ceilMicros(d), l.intervalMicros() * int64(l.Burst)}
+	args := []any{nowArg(ctx), ceilMicros(d), l.intervalMicros(), l.intervalMicros() * int64(l.Burst)}
 	if _, err := e.run(ctx, blockScript, keys[k:k+1], args, 2); err != nil {
 		return fmt.Errorf("throttle: block %q: %w", keys[k], err)
 	}
@@ -270,8 +285,20 @@ func (e *Engine) BlockAll(ctx context.Context, keys []string, limits []Limit, d 
 // run runs s on the prefixed keys through the breaker, within the timeout,
 // and checks that the reply is an array of want integers.
 func (e *Engine) run(ctx context.Context, s *redis.Script, keys []string, args []any, want int) ([]int64, error) {
+	reply, err := e.runReply(ctx, s, keys, args)
+	if err != nil {
+		return nil, err
+	}
+	return int64s(reply, want)
+}
+
+// runReply runs s on the prefixed keys through the breaker, within the
+// timeout, and classifies its error (see classify).
+func (e *Engine) runReply(ctx context.Context, s *redis.Script, keys []string, args []any) (any, error) {
 	if !e.breaker.allow() {
-		return nil, fmt.Errorf("%w (failing fast until a probe succeeds)", ErrUnavailable)
+		err := fmt.Errorf("%w (failing fast until a probe succeeds)", ErrUnavailable)
+		e.observer.ObserveCall(label(keys[0]), 0, err)
+		return nil, err
 	}
 	full := make([]string, len(keys))
 	for i, k := range keys {
@@ -281,20 +308,40 @@ func (e *Engine) run(ctx context.Context, s *redis.Script, keys []string, args [
 	defer cancel()
 	start := time.Now()
 	reply, err := s.Run(callCtx, e.rdb, full, args...).Result()
+	err = e.classify(ctx, err)
 	e.observer.ObserveCall(label(keys[0]), time.Since(start), err)
+	return reply, err
+}
+
+// classify tells the breaker what err says of Redis, and returns err as
+// the caller should see it: matching ErrUnavailable when Redis could not
+// be reached or could not serve, and ErrReplyLost as well when the script
+// may have run all the same; matching ErrCorruptState for a stored value
+// that is not a TAT.
+func (e *Engine) classify(ctx context.Context, err error) error {
 	switch {
 	case err == nil:
 		e.breaker.success()
-		return int64s(reply, want)
+		return nil
 	case ctx.Err() != nil: // the caller gave up: no verdict on Redis
 		e.breaker.abandon()
-		return nil, err
+		if !notSent(err) {
+			return fmt.Errorf("%w: %w", ErrReplyLost, err)
+		}
+		return err
 	case unavailable(err):
 		e.breaker.failure()
-		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
+		if !notSent(err) {
+			return fmt.Errorf("%w: %w: %w", ErrUnavailable, ErrReplyLost, err)
+		}
+		return fmt.Errorf("%w: %w", ErrUnavailable, err)
 	default: // Redis answered, with an error
 		e.breaker.success()
-		return nil, err
+		if msg, ok := strings.CutPrefix(err.Error(), "SLOTBOOK_CORRUPT "); ok {
+			msg, _, _ = strings.Cut(msg, " script: ") // Redis appends where in the script
+			return fmt.Errorf("%w: %s", ErrCorruptState, msg)
+		}
+		return err
 	}
 }
 
@@ -305,4 +352,37 @@ func floorDiv(a, b int64) int64 {
 		q--
 	}
 	return q
+}
+
+// tombstone is the key that marks booking id of the subject whose first key
+// is key as given back: it shares key's hash tag (or, for a key without
+// one, hashes as key does), so a Redis Cluster holds it beside the keys.
+func tombstone(key string, id uint64) string {
+	suffix := ":x:" + strconv.FormatUint(id, 36)
+	if HashTag(key) == "" && !strings.ContainsAny(key, "{}") {
+		return "{" + key + "}" + suffix
+	}
+	return key + suffix
+}
+
+// Reset clears a subject: it deletes keys (the subject's keys, one per
+// limit; several must share a hash tag), so that its next request finds it
+// idle. It is the way out of ErrCorruptState. Slots already handed out are
+// not recalled.
+func (e *Engine) Reset(ctx context.Context, keys ...string) error {
+	if len(keys) == 0 || len(keys) > MaxLimits {
+		return fmt.Errorf("%w: reset of %d keys (want 1 to %d)", ErrInvalidRequest, len(keys), MaxLimits)
+	}
+	for i, k := range keys {
+		if err := CheckKey(k); err != nil {
+			return err
+		}
+		if i > 0 && (HashTag(k) == "" || HashTag(k) != HashTag(keys[0])) {
+			return fmt.Errorf("%w: keys %q and %q do not share a hash tag", ErrInvalidRequest, keys[0], k)
+		}
+	}
+	if _, err := e.runReply(ctx, resetScript, keys, nil); err != nil {
+		return fmt.Errorf("throttle: reset %q: %w", keys[0], err)
+	}
+	return nil
 }

@@ -29,7 +29,7 @@ func FromLimit(l throttle.Limit) Limit {
 	return Limit{I: i, Tau: i * int64(l.Burst)}
 }
 
-// Request is n units with a max wait in microseconds (-1: no bound).
+// Request is n units with a max wait in microseconds.
 type Request struct{ N, MaxWait int64 }
 
 // Booking is the model's answer to one request.
@@ -38,14 +38,19 @@ type Booking struct {
 	Wait   int64
 	Starts []int64 // each key's TAT before the request
 	Ends   []int64 // and after it
+	ID     int     // names the booking, for the tombstone a refund leaves
 }
 
 // Model holds each key's stored TAT. The zero Model is not usable; use
 // New.
-type Model struct{ tat map[string]int64 }
+type Model struct {
+	tat    map[string]int64
+	given  map[int]bool // bookings refunded once (their tombstones)
+	nextID int
+}
 
 // New returns an empty model.
-func New() *Model { return &Model{tat: map[string]int64{}} }
+func New() *Model { return &Model{tat: map[string]int64{}, given: map[int]bool{}} }
 
 // Get returns key's stored TAT, as GET would (before expiry).
 func (m *Model) Get(key string) (int64, bool) {
@@ -67,8 +72,10 @@ func (m *Model) Book(now int64, keys []string, limits []Limit, reqs []Request) [
 			slot = max(slot, tat[i]+(req.N-1)*l.I-l.Tau)
 		}
 		b := Booking{Wait: slot - now, Starts: append([]int64(nil), tat...)}
-		b.OK = req.MaxWait < 0 || b.Wait <= req.MaxWait
+		b.OK = b.Wait <= req.MaxWait
 		if b.OK {
+			m.nextID++
+			b.ID = m.nextID
 			for i, l := range limits {
 				tat[i] = max(tat[i], slot) + req.N*l.I
 			}
@@ -86,33 +93,34 @@ func (m *Model) Book(now int64, keys []string, limits []Limit, reqs []Request) [
 }
 
 // Refund gives back booking b (made at bookedAt) at now, and returns the
-// microseconds given back per key.
+// microseconds given back per key: once per booking, and for each key only
+// while its TAT still equals the booking's end, back to its TAT before.
 func (m *Model) Refund(now, bookedAt int64, keys []string, b Booking) []int64 {
 	given := make([]int64, len(keys))
-	if !b.OK || bookedAt+b.Wait <= now {
+	if !b.OK || bookedAt+b.Wait <= now || m.given[b.ID] {
 		return given
 	}
+	m.given[b.ID] = true
 	for i, k := range keys {
-		tat, ok := m.tat[k]
-		if !ok || tat <= now { // passed: as good as absent
+		if tat, ok := m.tat[k]; !ok || tat != b.Ends[i] {
 			continue
 		}
-		give := (b.Ends[i] - b.Starts[i]) - max(0, tat-b.Ends[i])
-		if give <= 0 {
-			continue
-		}
-		if tat-give <= now {
-			given[i] = tat - now
+		given[i] = b.Ends[i] - max(b.Starts[i], now)
+		if b.Starts[i] > now {
+			m.tat[k] = b.Starts[i]
+		} else {
 			delete(m.tat, k)
-			continue
 		}
-		given[i] = give
-		m.tat[k] = tat - give
 	}
 	return given
 }
 
-// Block holds key back so that no slot is granted before now+d.
+// Block holds key back so that no slot is granted before now+d: its TAT
+// becomes at least now+d+tau, and moves by at least one microsecond.
 func (m *Model) Block(now int64, key string, l Limit, d int64) {
-	m.tat[key] = max(m.tat[key], now+d+l.Tau)
+	target := now + d + l.Tau
+	if tat, ok := m.tat[key]; ok && tat >= target {
+		target = tat + 1
+	}
+	m.tat[key] = target
 }

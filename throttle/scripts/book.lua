@@ -9,7 +9,7 @@
 -- ARGV[3..] m pairs (I, tau): emission interval and tolerance (burst * I),
 --           microseconds
 -- then      pairs (n, max_wait): units wanted, longest acceptable wait in
---           microseconds (-1: no bound)
+--           microseconds (at most the horizon, 366 days)
 --
 -- A request's slot is the earliest time every limit allows it:
 --   t = max(now, max_i(tat_i + (n-1)*I_i - tau_i))
@@ -27,7 +27,7 @@ local interval, tau, tat, first = {}, {}, {}, {}
 for i = 1, m do
   interval[i] = tonumber(ARGV[1 + 2 * i])
   tau[i] = tonumber(ARGV[2 + 2 * i])
-  tat[i] = math.max(stored(KEYS[i]) or now, now)
+  tat[i] = math.max(stored(KEYS[i], interval[i], tau[i]) or now, now)
   first[i] = tat[i]
 end
 
@@ -41,7 +41,7 @@ for r = 3 + 2 * m, #ARGV, 2 do
     if at > slot then slot = at end
   end
   local wait = slot - now
-  local booked = not (maxwait >= 0 and wait > maxwait)
+  local booked = wait <= maxwait
   out[#out + 1] = booked and 1 or 0
   out[#out + 1] = wait
   for i = 1, m do out[#out + 1] = tat[i] end

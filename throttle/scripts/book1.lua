@@ -3,14 +3,14 @@
 -- {now, booked, wait, tat}, for less server CPU per call.
 --
 -- KEYS[1]  the key holding TAT (integer microseconds on the Redis clock)
--- ARGV     "" or a test clock, I, tau, n, max_wait (-1: no bound)
+-- ARGV     "" or a test clock, I, tau, n, max_wait (microseconds)
 -- now: set by clock.lua, put before this script by the engine.
 local interval, tau, n, maxwait = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local tat = stored(KEYS[1]) or now
+local tat = stored(KEYS[1], interval, tau) or now
 if tat < now then tat = now end
 local wait = tat + (n - 1) * interval - tau - now
 if wait < 0 then wait = 0 end
-if maxwait >= 0 and wait > maxwait then return {now, 0, wait, tat} end
+if wait > maxwait then return {now, 0, wait, tat} end
 local new = tat + n * interval
 redis.call('SET', KEYS[1], string.format('%d', new), 'PX', px(new))
 return {now, 1, wait, tat}

@@ -1,12 +1,23 @@
 -- refund.lua: gives back a booking whose slot has not come, in each of its
--- limits, as golang.org/x/time/rate's Reservation.Cancel does: the units
--- booked after it keep their slots, so only what they did not build on is
--- returned, and TAT never moves below now. If nothing was booked after it,
--- each TAT goes back exactly to where it was (under several limits a
--- booking may have moved a TAT by more than n * I, to the slot another
--- limit imposed).
+-- limits, at most once, and only where that cannot let anything through
+-- early:
 --
--- KEYS      the booking's keys
+--  - A key goes back only while its TAT still equals the booking's end:
+--    nothing booked after it still stands on it. It goes back exactly to
+--    its TAT before the booking (never below now). Bookings given back
+--    latest first therefore give everything back; a booking that later
+--    ones were built on gives nothing, since the TAT alone cannot tell
+--    which of the room in front of it is still booked. (This is where
+--    slotbook is stricter than golang.org/x/time/rate's Cancel, which gives
+--    part back and can then let a later request through early.)
+--  - A pause (block.lua) moves the TAT off every earlier booking's end, so
+--    no refund reaches below a pause's end.
+--  - The first refund of a booking leaves a tombstone, a key named after
+--    the booking's id that lives until its slot, and a refund that finds it
+--    gives nothing: a refund retried after a lost reply cannot give back a
+--    later booking that happens to end where this one did.
+--
+-- KEYS      the booking's m keys, then its tombstone key (same hash tag)
 -- ARGV[1]   "" to read the clock with TIME; a microsecond count in tests (clock.lua)
 -- ARGV[2]   the booking's slot (microseconds on the Redis clock)
 -- ARGV[3..] per key, a pair: the TAT just before the booking and just after
@@ -14,29 +25,24 @@
 -- Returns {now, given_1 .. given_m}: microseconds given back per key.
 -- now: set by clock.lua, put before this script by the engine.
 
-local out = {now}
+local m = #KEYS - 1
 local slot = tonumber(ARGV[2])
-for i = 1, #KEYS do
+local out = {now}
+local live = slot > now and redis.call('EXISTS', KEYS[m + 1]) == 0
+if live then
+  redis.call('SET', KEYS[m + 1], '1', 'PX', px(slot))
+end
+for i = 1, m do
   local give = 0
-  local tat = stored(KEYS[i])
-  -- A slot that has come gives nothing back; a passed TAT is as good as absent.
-  if slot <= now or (tat and tat <= now) then tat = nil end
-  if tat then
+  if live then
     local before, after = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
-    local later = tat - after
-    if later < 0 then later = 0 end
-    give = (after - before) - later
-    if give > 0 then
-      local newtat = tat - give
-      if newtat <= now then
-        give = tat - now
-        redis.call('DEL', KEYS[i])
+    if stored(KEYS[i]) == after then
+      give = after - math.max(before, now)
+      if before > now then
+        redis.call('SET', KEYS[i], string.format('%d', before), 'PX', px(before))
       else
-        redis.call('SET', KEYS[i], string.format('%d', newtat),
-          'PX', px(newtat))
+        redis.call('DEL', KEYS[i])
       end
-    else
-      give = 0
     end
   end
   out[#out + 1] = give
