@@ -102,7 +102,7 @@ func TestLocalShareKeysBounded(t *testing.T) {
 	t.Parallel()
 	l, _ := fakeLimiter(t, throttle.PerSecond(10, 0), WithFallback(LocalShare(time.Second, 2, 3)))
 	for i := 0; i < 100; i++ {
-		l.fallback.limiter(string(rune('a'+i%26))+strconv.Itoa(i), l.limit)
+		l.fallback.limiters(string(rune('a'+i%26))+strconv.Itoa(i), l.limits)
 	}
 	l.fallback.mu.Lock()
 	defer l.fallback.mu.Unlock()

@@ -2,6 +2,7 @@ package reserve
 
 import (
 	"context"
+	"fmt"
 
 	"github.com/slotbook/slotbook/throttle"
 )
@@ -104,11 +105,30 @@ func (c *call) finish() (*Reservation, error) {
 
 // send books batch (whose callers are all taken) in one call, wakes its
 // callers, and hands the queue that built up meanwhile to its first caller,
-// or marks the key idle.
+// or marks the key idle. If booking panics (an Observer's panic, say), the
+// batch's other callers get an error, the key is handed on all the same, so
+// it cannot stall, and the panic goes on up the sender's stack.
 func (l *Limiter) send(ctx context.Context, key string, batch []*call) {
+	defer func() {
+		if p := recover(); p != nil {
+			for _, c := range batch {
+				if c.res == nil && c.err == nil {
+					c.err = fmt.Errorf("reserve: booking for %q panicked: %v", key, p)
+				}
+			}
+			l.handOn(key, batch)
+			panic(p)
+		}
+	}()
 	// The batch serves callers other than the sender: the sender's
 	// cancellation must not fail their call (the engine's timeout bounds it).
 	l.book(context.WithoutCancel(ctx), key, batch)
+	l.handOn(key, batch)
+}
+
+// handOn wakes batch's callers, then hands the queue that built up
+// meanwhile to its first caller, or marks the key idle.
+func (l *Limiter) handOn(key string, batch []*call) {
 	for _, c := range batch {
 		if c.done != nil {
 			close(c.done)

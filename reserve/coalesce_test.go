@@ -195,3 +195,78 @@ func TestCoalescingQueueBounded(t *testing.T) {
 		require.NoError(t, <-errs)
 	}
 }
+
+// panicky is an Observer that panics on its first decision once armed.
+type panicky struct {
+	armed atomic.Bool
+}
+
+func (o *panicky) ObserveDecision(string, throttle.Outcome, time.Duration) {
+	if o.armed.CompareAndSwap(true, false) {
+		panic("observer bug")
+	}
+}
+func (o *panicky) ObserveCall(string, time.Duration, error) {}
+func (o *panicky) ObserveRefund(string, time.Duration)      {}
+func (o *panicky) ObserveBreaker(bool)                      {}
+
+// TestCoalescingObserverPanic: an Observer that panics while a coalesced
+// call is in flight panics on its sender's stack, and the key is not left
+// marked busy: the callers queued behind it are served, and so is the next
+// caller.
+func TestCoalescingObserverPanic(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	g := newGate(e.rdb)
+	obs := &panicky{}
+	eng, err := throttle.New(e.rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second), throttle.WithObserver(obs))
+	require.NoError(t, err)
+	l, err := reserve.New(eng, "api", throttle.PerSecond(1000, 100))
+	require.NoError(t, err)
+	ctx := context.Background()
+	require.NoError(t, eng.Load(ctx))
+
+	type result struct {
+		r        *reserve.Reservation
+		err      error
+		panicked any
+	}
+	reserveAsync := func() chan result {
+		ch := make(chan result, 1)
+		go func() {
+			var res result
+			defer func() { res.panicked = recover(); ch <- res }()
+			res.r, res.err = l.Reserve(ctx, "k")
+		}()
+		return ch
+	}
+	g.armed.Store(true)
+	a := reserveAsync()
+	<-g.entered // a is in flight
+	b, c := reserveAsync(), reserveAsync()
+	require.Eventually(t, func() bool { return reserve.QueueLen(l, "k") == 2 }, 5*time.Second, time.Millisecond)
+	obs.armed.Store(true)
+	g.armed.Store(false)
+	g.release <- struct{}{}
+
+	wait := func(ch chan result, who string) result {
+		t.Helper()
+		select {
+		case r := <-ch:
+			return r
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%s never returned: the key is wedged", who)
+			return result{}
+		}
+	}
+	ra := wait(a, "the sender")
+	require.Equal(t, "observer bug", ra.panicked, "the panic goes on up the sender's stack")
+	for _, r := range []result{wait(b, "a queued caller"), wait(c, "a queued caller")} {
+		require.Nil(t, r.panicked)
+		require.NoError(t, r.err)
+		require.True(t, r.r.OK())
+	}
+	r := wait(reserveAsync(), "the next caller")
+	require.NoError(t, r.err)
+	require.True(t, r.r.OK())
+}

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -43,8 +44,10 @@ func FailOpen() Fallback { return Fallback{kind: failOpen, configured: true} }
 // refusal's error matches throttle.ErrUnavailable.
 func FailClosed() Fallback { return Fallback{kind: failClosed, configured: true} }
 
-// LocalShare limits each key in this process to its share of the limit,
-// limit/instances, while Redis is unavailable, with golang.org/x/time/rate.
+// LocalShare limits each key in this process to its share of each of the
+// Limiter's limits, limit/instances, while Redis is unavailable, with one
+// golang.org/x/time/rate limiter per limit: a request passes when every
+// limit's share lets it. Views made with Limiter.With share one local state.
 // instances is learned while Redis is up: each process records a heartbeat
 // every interval (one Redis call per interval, never per request) in a
 // sorted set that forgets a process after three intervals. Until the first
@@ -67,7 +70,7 @@ func WithFallback(f Fallback) Option {
 		l.fallback = &fallback{Fallback: f}
 		if f.kind == localShare {
 			l.fallback.instances.Store(int64(f.instances))
-			l.fallback.local = make(map[string]*rate.Limiter)
+			l.fallback.local = make(map[string][]*rate.Limiter)
 		}
 		return nil
 	}
@@ -105,8 +108,8 @@ type fallback struct {
 	instances     atomic.Int64
 	lastHeartbeat atomic.Int64 // unix nanoseconds
 
-	mu    sync.Mutex // guards local
-	local map[string]*rate.Limiter
+	mu    sync.Mutex                 // guards local
+	local map[string][]*rate.Limiter // per key, one per limit, in the Limiter's order
 }
 
 // heartbeat records this process, at most once per interval, after a call
@@ -127,10 +130,12 @@ func (l *Limiter) heartbeat(ctx context.Context) {
 	}
 	if int64(n) != f.instances.Swap(int64(n)) {
 		f.mu.Lock()
-		for _, lim := range f.local {
-			r, b := f.share(l.limit)
-			lim.SetLimit(r)
-			lim.SetBurst(b)
+		for _, lims := range f.local {
+			for i, lim := range lims {
+				r, b := f.share(l.limits[i])
+				lim.SetLimit(r)
+				lim.SetBurst(b)
+			}
 		}
 		f.mu.Unlock()
 	}
@@ -143,11 +148,12 @@ func (f *fallback) share(limit throttle.Limit) (rate.Limit, int) {
 	return rate.Limit(perSec), max(1, (limit.Burst+1)/int(n))
 }
 
-func (f *fallback) limiter(key string, limit throttle.Limit) *rate.Limiter {
+// limiters returns key's local limiters, one per limit.
+func (f *fallback) limiters(key string, limits []throttle.Limit) []*rate.Limiter {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if lim, ok := f.local[key]; ok {
-		return lim
+	if lims, ok := f.local[key]; ok {
+		return lims
 	}
 	if len(f.local) >= f.maxKeys {
 		for k := range f.local { // drop one, at random
@@ -155,9 +161,47 @@ func (f *fallback) limiter(key string, limit throttle.Limit) *rate.Limiter {
 			break
 		}
 	}
-	lim := rate.NewLimiter(f.share(limit))
-	f.local[key] = lim
-	return lim
+	lims := make([]*rate.Limiter, len(limits))
+	for i, limit := range limits {
+		lims[i] = rate.NewLimiter(f.share(limit))
+	}
+	f.local[key] = lims
+	return lims
+}
+
+// forget drops key's local limiters (Limiter.Reset).
+func (f *fallback) forget(key string) {
+	f.mu.Lock()
+	delete(f.local, key)
+	f.mu.Unlock()
+}
+
+// localReserve books n units at now in every limit's local share, for a
+// wait of at most budget. It returns the bookings (to cancel them later)
+// and the delay, or ok false and the wait it would have needed (for a
+// request no share can ever pass, the first limit's interval times n).
+func (l *Limiter) localReserve(key string, n int, now time.Time, budget time.Duration) (rs []*rate.Reservation, delay time.Duration, ok bool) {
+	lims := l.fallback.limiters(key, l.limits)
+	rs = make([]*rate.Reservation, 0, len(lims))
+	cancel := func() {
+		for _, r := range rs {
+			r.CancelAt(now)
+		}
+	}
+	for _, lim := range lims {
+		r := lim.ReserveN(now, n)
+		if !r.OK() {
+			cancel()
+			return nil, l.limit.Interval() * time.Duration(n), false
+		}
+		rs = append(rs, r)
+		delay = max(delay, r.DelayFrom(now))
+	}
+	if delay > budget {
+		cancel()
+		return nil, delay, false
+	}
+	return rs, delay, true
 }
 
 // fallbackReserve answers one request from the fallback.
@@ -177,14 +221,8 @@ func (l *Limiter) fallbackReserve(key string, n int, now time.Time, budget time.
 		_, probe := l.eng.Unavailable()
 		return refuse(probe)
 	case localShare:
-		lim := f.limiter(key, l.limit)
-		local := lim.ReserveN(now, n)
-		if !local.OK() {
-			return refuse(l.limit.Interval() * time.Duration(n))
-		}
-		delay := local.DelayFrom(now)
-		if delay > budget {
-			local.CancelAt(now)
+		local, delay, ok := l.localReserve(key, n, now, budget)
+		if !ok {
 			return refuse(delay)
 		}
 		r.local = local
@@ -207,18 +245,15 @@ func (l *Limiter) fallbackAllow(key string, n int) (throttle.Result, error) {
 		obs.ObserveDecision(l.name, throttle.FallbackRefused, probe)
 		return throttle.Result{RetryAfter: probe}, nil
 	}
-	lim := l.fallback.limiter(key, l.limit)
 	now := time.Now()
-	if lim.AllowN(now, n) {
-		obs.ObserveDecision(l.name, throttle.FallbackAllowed, 0)
-		return throttle.Result{Allowed: true, Remaining: int(lim.TokensAt(now))}, nil
+	if _, after, ok := l.localReserve(key, n, now, 0); !ok {
+		obs.ObserveDecision(l.name, throttle.FallbackRefused, after)
+		return throttle.Result{RetryAfter: after}, nil
 	}
-	r := lim.ReserveN(now, n)
-	after := r.DelayFrom(now)
-	r.CancelAt(now)
-	if !r.OK() {
-		after = l.limit.Interval() * time.Duration(n)
+	obs.ObserveDecision(l.name, throttle.FallbackAllowed, 0)
+	remaining := math.MaxInt
+	for _, lim := range f.limiters(key, l.limits) {
+		remaining = min(remaining, int(lim.TokensAt(now)))
 	}
-	obs.ObserveDecision(l.name, throttle.FallbackRefused, after)
-	return throttle.Result{RetryAfter: after}, nil
+	return throttle.Result{Allowed: true, Remaining: max(remaining, 0)}, nil
 }

@@ -13,6 +13,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -151,19 +152,26 @@ func New(eng *throttle.Engine, name string, limit throttle.Limit, opts ...Option
 	return l, nil
 }
 
-// With returns a Limiter sharing l's engine, name and limit (and so its
+// With returns a Limiter sharing l's engine, name and limits (and so its
 // quota) with opts applied over l's own options: for example a different
-// max wait for one kind of caller.
+// max wait for one kind of caller. The view shares l's fallback state too
+// (LocalShare's local limiters and heartbeat), so that all views of one
+// quota together admit one local share while Redis is unavailable; a
+// WithFallback or WithLimit among opts gives the view state of its own.
 func (l *Limiter) With(opts ...Option) (*Limiter, error) {
 	base := []Option{WithMaxWait(l.maxWait), WithWorkEstimate(l.work), WithCoalescing(l.coalesce), WithLimit(l.limits[1:]...)}
-	if l.fallback != nil {
-		base = append(base, WithFallback(l.fallback.Fallback))
-	}
 	nl, err := New(l.eng, l.name, l.limit, append(base, opts...)...)
 	if err != nil {
 		return nil, err
 	}
 	nl.clock = l.clock
+	if nl.fallback == nil && l.fallback != nil {
+		if slices.Equal(nl.limits, l.limits) {
+			nl.fallback = l.fallback
+		} else if err := WithFallback(l.fallback.Fallback)(nl); err != nil {
+			return nil, err
+		}
+	}
 	return nl, nil
 }
 
@@ -365,6 +373,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) {
 		l.heartbeat(ctx)
 	}
 	useFallback := err != nil && l.fallback != nil && errors.Is(err, throttle.ErrUnavailable)
+	var late []throttle.Booking // booked, but past the caller's deadline once the reply came
 	for i, s := range out {
 		if useFallback && s.c.ctx.Err() == nil {
 			s.c.res = l.fallbackReserve(key, s.c.n, arrived, s.budget, err)
@@ -375,19 +384,62 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) {
 			continue
 		}
 		r := &Reservation{lim: l, key: key, booking: bs[i]}
-		if bs[i].OK {
-			r.act = arrived.Add(bs[i].Wait)
-		} else {
+		switch act := arrived.Add(bs[i].Wait); {
+		case !bs[i].OK:
 			r.err = deadline.Refuse(s.bound, s.budget, bs[i].Wait)
+		case l.pastDeadline(s.c.ctx, act):
+			// The reply's latency ate the room the budget left: the
+			// caller would act too late. Give the slot back, refuse.
+			late = append(late, bs[i])
+			r.booking.OK = false
+			r.err = deadline.Refuse(deadline.ErrWouldExceedDeadline, s.budget, act.Sub(now))
+		default:
+			r.act = act
 		}
 		s.c.res = r
 	}
+	// Latest first: a booking gives its room back only while nothing
+	// booked after it stands on it.
+	for i := len(late) - 1; i >= 0; i-- {
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		_, _ = l.eng.RefundAll(cctx, l.keysOf(key), l.limits, late[i])
+		cancel()
+	}
+}
+
+// pastDeadline reports whether a caller acting at act would not finish
+// the work estimate before ctx's deadline. The max wait, unlike the
+// deadline, is judged on the Redis clock alone (the script's wait), so that
+// WithMaxWait(0) still means "only an immediate slot" whatever the latency.
+func (l *Limiter) pastDeadline(ctx context.Context, act time.Time) bool {
+	dl, ok := ctx.Deadline()
+	return ok && act.Add(l.work).After(dl)
+}
+
+// Reset clears subject key: its state in every limit is deleted (and so
+// is any local fallback state for it), so its next request finds it idle.
+// It is the way out of throttle.ErrCorruptState. Slots already handed out
+// are not recalled.
+func (l *Limiter) Reset(ctx context.Context, key string) error {
+	k, err := l.engineKey(key)
+	if err != nil {
+		return err
+	}
+	if err := l.eng.Reset(ctx, l.keysOf(k)...); err != nil {
+		return err
+	}
+	if l.fallback != nil && l.fallback.kind == localShare {
+		l.fallback.forget(k)
+	}
+	return nil
 }
 
 // Pause makes sure no new slot for key is granted before d from now, in
 // every process sharing the limit: shared back-off after an upstream
-// answered "429, retry after d". Slots already booked keep their times;
-// afterwards requests resume one interval apart.
+// answered "429, retry after d". Slots already booked keep their times
+// (and cannot be given back below the pause's end: cancelling them gives
+// nothing back); afterwards requests resume one interval apart. Nothing a
+// later Cancel or booking does can shorten the pause.
 func (l *Limiter) Pause(ctx context.Context, key string, d time.Duration) error {
 	k, err := l.engineKey(key)
 	if err != nil {
@@ -424,8 +476,8 @@ type Reservation struct {
 	act     time.Time // local time to act
 	err     error     // the refusal, if not OK
 
-	fallback bool              // answered by the fallback, not Redis
-	local    *rate.Reservation // LocalShare's booking, if any
+	fallback bool                // answered by the fallback, not Redis
+	local    []*rate.Reservation // LocalShare's bookings, one per limit
 
 	mu       sync.Mutex // guards canceled
 	canceled bool
@@ -495,10 +547,19 @@ func (r *Reservation) giveBack(ctx context.Context) {
 	_ = r.Cancel(cctx)
 }
 
-// Cancel gives the slot back if it has not come yet, so others may use it,
-// as golang.org/x/time/rate's Reservation.Cancel does: bookings made after
-// this one keep their slots. Cancelling twice, or cancelling a refusal, does
-// nothing.
+// Cancel gives the slot back if it has not come yet, so others may use it.
+// It never lets anything through early (see throttle.Engine.Refund), which
+// makes it stricter than golang.org/x/time/rate's Reservation.Cancel in one
+// case: the room comes back only while no booking made after this one
+// still stands on it, so reservations cancelled latest first all give
+// their room back, while one that later bookings were built on gives
+// nothing back (x/time/rate gives part, and can then let a later request
+// through early). A Pause made after the booking keeps its room too.
+//
+// Cancelling twice, or cancelling a refusal, does nothing. If Cancel
+// returns an error (Redis unreachable, or its reply lost: errors.Is
+// throttle.ErrReplyLost), calling it again is safe: the engine gives a
+// booking back at most once.
 func (r *Reservation) Cancel(ctx context.Context) error {
 	if !r.OK() {
 		return nil
@@ -509,8 +570,8 @@ func (r *Reservation) Cancel(ctx context.Context) error {
 		return nil
 	}
 	if r.fallback {
-		if r.local != nil {
-			r.local.Cancel()
+		for _, lr := range r.local {
+			lr.Cancel()
 		}
 		r.canceled = true
 		return nil
