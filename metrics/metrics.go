@@ -14,12 +14,15 @@
 //	slotbook_booked_wait_seconds{limiter}            histogram of booked waits: the queue in front of the limit
 //	slotbook_redis_call_duration_seconds{limiter}    histogram of script calls to Redis
 //	slotbook_redis_errors_total{limiter}             script calls that failed
+//	slotbook_lost_replies_total{limiter}             script calls sent whose reply never came: each may
+//	                                                 have booked slots nobody will use (quota wasted)
 //	slotbook_refunds_total{limiter}                  bookings given back
 //	slotbook_refunded_seconds_total{limiter}         time given back by refunds
 //	slotbook_fallback_active{limiter}                1 while Redis is unavailable and the fallback answers
 package metrics
 
 import (
+	"errors"
 	"sync"
 	"time"
 
@@ -35,6 +38,7 @@ type Collector struct {
 	bookedWait    *prometheus.HistogramVec
 	callDuration  *prometheus.HistogramVec
 	callErrors    *prometheus.CounterVec
+	lostReplies   *prometheus.CounterVec
 	refunds       *prometheus.CounterVec
 	refundSeconds *prometheus.CounterVec
 	fallback      *prometheus.GaugeVec
@@ -85,6 +89,10 @@ func New(opts ...Option) *Collector {
 			Namespace: o.namespace, Name: "redis_errors_total", ConstLabels: o.constLabels,
 			Help: "Script calls to Redis that failed.",
 		}, lim),
+		lostReplies: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: o.namespace, Name: "lost_replies_total", ConstLabels: o.constLabels,
+			Help: "Script calls sent to Redis whose reply never came: each may have booked slots nobody will use.",
+		}, lim),
 		refunds: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: o.namespace, Name: "refunds_total", ConstLabels: o.constLabels,
 			Help: "Bookings given back.",
@@ -116,7 +124,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 }
 
 func (c *Collector) all() []prometheus.Collector {
-	return []prometheus.Collector{c.decisions, c.bookedWait, c.callDuration, c.callErrors, c.refunds, c.refundSeconds, c.fallback}
+	return []prometheus.Collector{c.decisions, c.bookedWait, c.callDuration, c.callErrors, c.lostReplies, c.refunds, c.refundSeconds, c.fallback}
 }
 
 // ObserveDecision implements throttle.Observer.
@@ -134,6 +142,9 @@ func (c *Collector) ObserveCall(limiter string, d time.Duration, err error) {
 	c.callDuration.WithLabelValues(limiter).Observe(d.Seconds())
 	if err != nil {
 		c.callErrors.WithLabelValues(limiter).Inc()
+		if errors.Is(err, throttle.ErrReplyLost) {
+			c.lostReplies.WithLabelValues(limiter).Inc()
+		}
 	}
 }
 

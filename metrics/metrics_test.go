@@ -107,3 +107,37 @@ acme_decisions_total{app="billing",limiter="api",outcome="fallback_allowed"} 3
 acme_redis_errors_total{app="billing",limiter="api"} 1
 `), "acme_fallback_active", "acme_decisions_total", "acme_redis_errors_total"))
 }
+
+// TestLostReplies: a call sent to a Redis that does not answer in time
+// (CLIENT PAUSE) may have taken effect: the caller's error says so, and
+// slotbook_lost_replies_total counts it; a call that reaches no Redis does
+// not count.
+func TestLostReplies(t *testing.T) {
+	t.Parallel()
+	m := metrics.New()
+	srv := redistest.Start(t)
+	admin := srv.Client(t)
+	eng, err := throttle.New(srv.Client(t), throttle.WithObserver(m), throttle.WithTimeout(50*time.Millisecond),
+		throttle.WithProbeBackoff(time.Minute, time.Minute))
+	require.NoError(t, err)
+	lim, err := reserve.New(eng, "api", throttle.PerSecond(10, 1))
+	require.NoError(t, err)
+	ctx := context.Background()
+	require.NoError(t, eng.Load(ctx))
+	_, err = lim.Reserve(ctx, "k") // a connection in the pool
+	require.NoError(t, err)
+
+	require.NoError(t, admin.Do(ctx, "CLIENT", "PAUSE", "300", "ALL").Err())
+	_, err = lim.Reserve(ctx, "k")
+	require.ErrorIs(t, err, throttle.ErrUnavailable)
+	require.ErrorIs(t, err, throttle.ErrReplyLost)
+	_, err = lim.Reserve(ctx, "k") // the breaker is open: nothing sent
+	require.ErrorIs(t, err, throttle.ErrUnavailable)
+	require.NotErrorIs(t, err, throttle.ErrReplyLost)
+
+	require.NoError(t, testutil.CollectAndCompare(m, strings.NewReader(`
+# HELP slotbook_lost_replies_total Script calls sent to Redis whose reply never came: each may have booked slots nobody will use.
+# TYPE slotbook_lost_replies_total counter
+slotbook_lost_replies_total{limiter="api"} 1
+`), "slotbook_lost_replies_total"))
+}

@@ -41,7 +41,11 @@ type Observer interface {
 	// Refused.
 	ObserveDecision(limiter string, o Outcome, wait time.Duration)
 	// ObserveCall reports one script call to Redis, with its duration and
-	// error (nil on success).
+	// error (nil on success), classified as the caller sees it: it matches
+	// ErrUnavailable when Redis could not be reached, and ErrReplyLost as
+	// well when the call was sent but its reply never came (it may have
+	// taken effect). Calls refused at once by the open breaker are not
+	// reported.
 	ObserveCall(limiter string, d time.Duration, err error)
 	// ObserveRefund reports a refund and how much time it gave back.
 	ObserveRefund(limiter string, given time.Duration)

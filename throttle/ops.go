@@ -296,9 +296,7 @@ func (e *Engine) run(ctx context.Context, s *redis.Script, keys []string, args [
 // timeout, and classifies its error (see classify).
 func (e *Engine) runReply(ctx context.Context, s *redis.Script, keys []string, args []any) (any, error) {
 	if !e.breaker.allow() {
-		err := fmt.Errorf("%w (failing fast until a probe succeeds)", ErrUnavailable)
-		e.observer.ObserveCall(label(keys[0]), 0, err)
-		return nil, err
+		return nil, fmt.Errorf("%w (failing fast until a probe succeeds)", ErrUnavailable)
 	}
 	full := make([]string, len(keys))
 	for i, k := range keys {
