@@ -20,16 +20,19 @@ func TestMain(m *testing.M) { redistest.Main(m) }
 // fakeClock records sleeps instead of sleeping. With block set, Sleep waits
 // for the context instead.
 type fakeClock struct {
-	mu    sync.Mutex // guards now and slept
+	mu    sync.Mutex // guards now, slept and tick
 	now   time.Time
 	slept []time.Duration
 	block bool
+	tick  time.Duration // added to now after each Now: latency, seen from the caller
 }
 
 func (c *fakeClock) Now() time.Time {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.now
+	now := c.now
+	c.now = c.now.Add(c.tick)
+	return now
 }
 
 func (c *fakeClock) Sleep(ctx context.Context, d time.Duration) error {
@@ -70,6 +73,53 @@ func TestAcquireSleepsTheBookedWait(t *testing.T) {
 	}
 	want := []time.Duration{0, 0, 0, 100 * time.Millisecond, 200 * time.Millisecond, 300 * time.Millisecond}
 	require.Equal(t, want, fc.slept)
+}
+
+// TestDeadlineJudgedAfterTheReply: a slot that fits the budget when Redis
+// decides but lies past the context deadline once the reply has arrived
+// (here 40ms of latency, seen on the limiter's clock) is given back at once
+// and reported as a refusal with the retry-after the caller saw, never
+// handed out; a slot that still fits is handed out.
+func TestDeadlineJudgedAfterTheReply(t *testing.T) {
+	t.Parallel()
+	l, fc := fakeLimiter(t, throttle.PerHour(60, 0)) // a minute apart: real-time deadlines cannot pass during the test
+	fc.now = time.Now()
+	redisNow := time.Now().UnixMicro()
+	at := testhook.WithNow(context.Background(), redisNow)
+	r, err := l.Reserve(at, "k") // immediate; the next slot is a minute away
+	require.NoError(t, err)
+	require.True(t, r.OK())
+
+	fc.mu.Lock()
+	fc.tick = 40 * time.Millisecond
+	start := fc.now
+	fc.mu.Unlock()
+	ctx, cancel := context.WithDeadline(at, start.Add(time.Minute+20*time.Millisecond))
+	defer cancel()
+	r, err = l.Reserve(ctx, "k")
+	require.NoError(t, err)
+	require.False(t, r.OK(), "a slot 20ms past the deadline once the reply is in must not be handed out")
+	require.ErrorIs(t, r.Err(), ErrWouldExceedDeadline)
+	require.Equal(t, time.Minute+40*time.Millisecond, r.RetryAfter(), "the wait as the caller saw it")
+
+	fc.mu.Lock()
+	fc.tick = 0
+	fc.mu.Unlock()
+	r, err = l.Reserve(at, "k")
+	require.NoError(t, err)
+	require.True(t, r.OK())
+	require.Equal(t, time.Minute, r.Booking().Wait, "the refused slot was given back")
+
+	fc.mu.Lock()
+	fc.tick = 40 * time.Millisecond
+	start = fc.now
+	fc.mu.Unlock()
+	ctx2, cancel2 := context.WithDeadline(at, start.Add(2*time.Minute+50*time.Millisecond))
+	defer cancel2()
+	r, err = l.Reserve(ctx2, "k")
+	require.NoError(t, err)
+	require.True(t, r.OK(), "2min + 40ms of latency still fits 2min + 50ms")
+	require.Equal(t, 2*time.Minute, r.Booking().Wait)
 }
 
 // TestWaitCancelRefunds checks that a context cancelled while sleeping
