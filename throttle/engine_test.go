@@ -253,9 +253,9 @@ func TestCorruptValueIsAnError(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	// A booking far ahead, so that its refund below has something to give.
-	b, err := e.eng.Book(ctx, "k", throttle.PerHour(1, 0), throttle.Request{N: 1, MaxWait: throttle.Forever})
+	_, err := e.eng.Book(ctx, "k", throttle.PerHour(1, 0), throttle.Request{N: 1, MaxWait: throttle.Forever})
 	require.NoError(t, err)
-	b, err = e.eng.Book(ctx, "k", throttle.PerHour(1, 0), throttle.Request{N: 1, MaxWait: throttle.Forever})
+	b, err := e.eng.Book(ctx, "k", throttle.PerHour(1, 0), throttle.Request{N: 1, MaxWait: throttle.Forever})
 	require.NoError(t, err)
 	require.NoError(t, e.rdb.Set(ctx, e.prefix+"k", "not a number", 0).Err())
 	// Every script that reads a TAT says so, naming the key: book1.lua,
@@ -282,6 +282,46 @@ func TestCorruptValueIsAnError(t *testing.T) {
 	require.NoError(t, e.rdb.HSet(ctx, e.prefix+"k", "a", 1).Err())
 	_, err = e.eng.Allow(ctx, "k", tenPerSecond)
 	require.ErrorContains(t, err, "WRONGTYPE")
+}
+
+// TestAbsurdStoredValues: a value that parses as a number but is no TAT
+// the engine could have written is an error naming the key (never a
+// permanent denial with RetryAfter 0, a hot spin for retry loops), nothing
+// is written over it, and Reset clears it.
+func TestAbsurdStoredValues(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := context.Background()
+	ahead := func(d time.Duration) string { return strconv.FormatInt(time.Now().Add(d).UnixMicro(), 10) }
+	for _, v := range []string{"99999999999999999999", "9007199254740993", "1e30", "inf", "-inf", "nan", "1.5", "-5", " 12", "0x10", "",
+		ahead(throttle.MaxHorizon + time.Hour)} {
+		t.Run(strconv.Quote(v), func(t *testing.T) {
+			key := "k" + strconv.Quote(v)
+			require.NoError(t, e.rdb.Set(ctx, e.prefix+key, v, 0).Err())
+			_, err := e.eng.Allow(ctx, key, tenPerSecond)
+			require.ErrorIs(t, err, throttle.ErrCorruptState)
+			require.ErrorContains(t, err, e.prefix+key)
+			_, err = e.eng.BookBatch(ctx, key, tenPerSecond, []throttle.Request{{N: 1, MaxWait: throttle.Forever}, {N: 1}})
+			require.ErrorIs(t, err, throttle.ErrCorruptState)
+			require.ErrorIs(t, e.eng.Block(ctx, key, tenPerSecond, time.Second), throttle.ErrCorruptState)
+			got, err := e.rdb.Get(ctx, e.prefix+key).Result()
+			require.NoError(t, err)
+			require.Equal(t, v, got, "nothing written over it")
+
+			require.NoError(t, e.eng.Reset(ctx, key))
+			r, err := e.eng.Allow(ctx, key, tenPerSecond)
+			require.NoError(t, err)
+			require.True(t, r.Allowed, "a reset subject is idle")
+		})
+	}
+	// A TAT within the horizon is a (long) wait, not an error.
+	require.NoError(t, e.rdb.Set(ctx, e.prefix+"far", ahead(throttle.MaxHorizon-time.Hour), 0).Err())
+	r, err := e.eng.Allow(ctx, "far", throttle.PerDay(1, 0))
+	require.NoError(t, err)
+	require.False(t, r.Allowed)
+	require.Greater(t, r.RetryAfter, throttle.MaxHorizon-2*time.Hour)
+	require.ErrorIs(t, e.eng.Reset(ctx), throttle.ErrInvalidRequest)
+	require.ErrorIs(t, e.eng.Reset(ctx, "{a}", "{b}"), throttle.ErrInvalidRequest)
 }
 
 func TestBadInput(t *testing.T) {
