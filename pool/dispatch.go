@@ -1,0 +1,227 @@
+package pool
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/slotbook/slotbook/deadline"
+	"github.com/slotbook/slotbook/reserve"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+// dispatch is the pool's one goroutine besides the running jobs. Each time
+// it wakes (on any change of state, at the next slot or retry time, or at
+// Close) it looks at the whole state and, in this order: takes the
+// bookings of cancelled jobs to give back (all of them, and gives them back
+// before booking again), starts the jobs whose slot has come, books one
+// batch. Once closed, it gives back what is booked and returns.
+func (p *Pool) dispatch() {
+	defer p.wg.Done()
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	for {
+		p.mu.Lock()
+		now := time.Now()
+		refunds := p.takeRefundsLocked()
+		p.startDueLocked(now)
+		var (
+			key     string
+			batch   []*Job
+			wakeAt  time.Time
+			stopped = p.closed && len(refunds) == 0
+		)
+		if len(refunds) == 0 {
+			key, batch, wakeAt = p.takeBatchLocked(now)
+		}
+		if len(p.slots) > 0 {
+			wakeAt = earliest(wakeAt, p.slots[0].res.SlotAt())
+		}
+		p.mu.Unlock()
+
+		switch {
+		case len(refunds) > 0:
+			p.giveBack(refunds)
+			continue
+		case len(batch) > 0:
+			p.book(key, batch)
+			continue
+		case stopped: // closed, and takeRefundsLocked took every booking
+			return
+		}
+		if wakeAt.IsZero() {
+			timer.Stop()
+		} else {
+			timer.Reset(time.Until(wakeAt))
+		}
+		select {
+		case <-p.wake:
+		case <-timer.C:
+		case <-p.quit:
+		}
+	}
+}
+
+// earliest returns the earlier of a and b, where the zero Time is "never".
+func earliest(a, b time.Time) time.Time {
+	if a.IsZero() || (!b.IsZero() && b.Before(a)) {
+		return b
+	}
+	return a
+}
+
+// takeRefundsLocked moves the booked jobs that will not run (their context
+// has ended, or the pool is closed) to refunding, and returns them, the
+// latest booking first. It takes every such job at once, also those whose
+// cancellation has not reached the pool yet (contexts shared by many jobs
+// end at once), because a booking can be given back only while no later
+// booking is live on its key. p.mu is held.
+func (p *Pool) takeRefundsLocked() []*Job {
+	var js []*Job
+	for _, j := range p.slots {
+		if j.ctx.Err() != nil || p.closed {
+			js = append(js, j)
+		}
+	}
+	slices.SortFunc(js, func(a, b *Job) int { return cmp.Compare(b.seq, a.seq) })
+	for _, j := range js {
+		err := j.ctx.Err()
+		if err == nil {
+			err = ErrClosed
+		}
+		p.moveLocked(j, refunding, err)
+	}
+	return js
+}
+
+// giveBack gives back the bookings of js in order, then ends each job with
+// the error it was given.
+func (p *Pool) giveBack(js []*Job) {
+	for _, j := range js {
+		// The job's context has ended: keep its values, not its end.
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(j.ctx), time.Second)
+		_ = j.res.Cancel(ctx)
+		cancel()
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, j := range js {
+		p.moveLocked(j, done, j.err)
+	}
+}
+
+// startDueLocked starts the booked jobs whose slot has come. p.mu is held.
+func (p *Pool) startDueLocked(now time.Time) {
+	for len(p.slots) > 0 && !p.slots[0].res.SlotAt().After(now) {
+		p.moveLocked(p.slots[0], running, nil)
+	}
+}
+
+// takeBatchLocked picks the next batch to book, if the workers allow one:
+// up to the key's share of the free workers, from the first key in turn
+// whose jobs have not been refused by the max wait too recently. It moves
+// the jobs to booking and returns them with their key. If every key is
+// waiting out a max-wait refusal, it returns when the first may be tried
+// again. p.mu is held.
+func (p *Pool) takeBatchLocked(now time.Time) (key string, batch []*Job, retryAt time.Time) {
+	if p.closed || p.free == 0 {
+		return "", nil, time.Time{}
+	}
+	if len(p.slots) > p.lowBooked && p.free < p.batchMin {
+		return "", nil, time.Time{} // enough booked; wait to book many at once
+	}
+	for n := p.turns.Len(); n > 0 && p.turns.Len() > 0; n-- {
+		q := p.turns.Front().Value.(*keyQueue)
+		p.turns.MoveToBack(q.turn)
+		if q.notBefore.After(now) {
+			retryAt = earliest(retryAt, q.notBefore)
+			continue
+		}
+		// Share the free workers between the keys waiting for them.
+		share := max(1, (p.free+p.turns.Len()-1)/p.turns.Len())
+		want := min(q.jobs.Len(), throttle.MaxBatch, share)
+		for len(batch) < want && q.jobs.Len() > 0 {
+			j := q.jobs.Front().Value.(*Job)
+			if err := j.ctx.Err(); err != nil {
+				p.moveLocked(j, done, err) // may remove q
+				continue
+			}
+			p.moveLocked(j, booking, nil)
+			batch = append(batch, j)
+		}
+		if len(batch) > 0 {
+			return q.key, batch, time.Time{}
+		}
+	}
+	return "", nil, retryAt
+}
+
+// book books batch for key in one Redis call and moves each job on by its
+// answer.
+func (p *Pool) book(key string, batch []*Job) {
+	reqs := make([]reserve.BatchRequest, len(batch))
+	for i, j := range batch {
+		reqs[i] = reserve.BatchRequest{Context: j.ctx, N: 1}
+	}
+	// Not a job's context: one job's cancellation must not fail the
+	// others' call, nor Close lose a reply that may have booked (the
+	// engine's timeout bounds the call).
+	rs, err := p.lim.ReserveBatch(context.Background(), key, reqs)
+	if err == nil && len(rs) != len(batch) {
+		err = fmt.Errorf("pool: %d answers to a batch of %d", len(rs), len(batch))
+	}
+	now := time.Now()
+	maxWait, _ := p.lim.MaxWait()
+
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var retryAt time.Time
+	// Backwards, so that jobs going back to the front of the backlog keep
+	// their order.
+	for i := len(batch) - 1; i >= 0; i-- {
+		j := batch[i]
+		if err != nil {
+			p.moveLocked(j, done, err)
+			continue
+		}
+		r := rs[i]
+		switch {
+		case r.OK():
+			// If its context has ended meanwhile, or the pool closed, the
+			// dispatcher gives it back next.
+			j.res = r
+			j.seq = p.bookings + uint64(i)
+			p.moveLocked(j, booked, nil)
+		case errors.Is(r.Err(), deadline.ErrMaxWaitExceeded) && j.ctx.Err() == nil && !p.closed:
+			// Not yet rather than never: back to the backlog, and the key
+			// rests until the slot would fit in the max wait.
+			p.moveLocked(j, queued, nil)
+			retryAt = earliest(retryAt, now.Add(r.RetryAfter()-maxWait))
+		default:
+			j.res = r
+			p.moveLocked(j, done, outcome(j, r, p.closed))
+		}
+	}
+	p.bookings += uint64(len(batch))
+	if q := p.queues[key]; q != nil && !retryAt.IsZero() {
+		q.notBefore = retryAt
+	}
+}
+
+// outcome is the error of a job whose request r was refused and that will
+// not be tried again.
+func outcome(j *Job, r *reserve.Reservation, closed bool) error {
+	if !errors.Is(r.Err(), deadline.ErrMaxWaitExceeded) {
+		return r.Err() // refused by the deadline, or by the fallback
+	}
+	if err := j.ctx.Err(); err != nil {
+		return err
+	}
+	if closed {
+		return ErrClosed
+	}
+	return r.Err()
+}

@@ -1,0 +1,48 @@
+// Package pool runs jobs under a shared rate limit with fewer than one
+// Redis call per job. A Pool knows its backlog, so it books slots for many
+// jobs in one reserve.Limiter.ReserveBatch call, sleeps until each job's
+// slot, then runs it.
+//
+// What a Pool guarantees:
+//
+//   - Rate. A job's function starts no earlier than the slot booked for it
+//     (reservation SlotAt, the local time of a slot measured on the Redis
+//     clock), so the jobs of every pool and process sharing the limiter's
+//     name and key keep to its limit together.
+//   - Concurrency. A job holds one of the pool's workers from the moment
+//     its batch is sent until its function returns (or its booking has been
+//     given back), so at most Workers jobs are booking, booked or running at
+//     once, counting the callers of Pool.Acquire, which take workers from
+//     the same set. A worker given back goes first to an Acquire caller
+//     waiting for one, otherwise to the backlog at once.
+//   - Batches. The pool books for one key at a time, up to its share of the
+//     free workers, and waits until many workers are free before booking
+//     again unless few jobs are left booked: a backlog costs far fewer than
+//     one Redis call per job. Keys with backlog take turns.
+//   - Refusals. A job whose slot would leave too little time before its
+//     context's deadline books nothing and ends with the refusal
+//     (deadline.ErrWouldExceedDeadline, carrying the exact retry-after). A
+//     job refused only by the limiter's max wait is not refused for good: it
+//     goes back to the front of the backlog, and its key is not booked again
+//     until the slot would fit.
+//   - Cancellation. A job whose context ends before its function starts
+//     does not run. If it was booked, its booking is given back before the
+//     job reports done, the latest booking first, so that each give-back
+//     finds no later booking of the pool on its key.
+//   - Failures. A batch whose Redis call fails ends its jobs with the error
+//     (a lost reply may have booked; nothing is given back for it).
+//   - Panics. A job's panic becomes its error, a *PanicError with the panic
+//     value and the stack; a job whose function calls runtime.Goexit ends
+//     with an error saying so. Either way its worker is given back and the
+//     pool goes on.
+//   - Close. No more jobs are accepted, queued jobs end with ErrClosed,
+//     bookings not started are given back (their jobs end with ErrClosed),
+//     Acquire callers still waiting for a worker get ErrClosed, and Close
+//     waits for running jobs and for every goroutine the pool started.
+//
+// Inside, every job is in one of six states (queued, booking, booked,
+// running, refunding, done), and one function moves a job from one to the
+// next, keeping the backlog, the key turns, the workers and the count of
+// unfinished jobs consistent with the job's state and waking the
+// dispatcher.
+package pool
