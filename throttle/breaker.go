@@ -34,25 +34,36 @@ type breaker struct {
 	min, max time.Duration
 	notify   func(open bool)
 
-	mu      sync.Mutex // guards the fields below
-	open    bool
-	probing bool
-	next    time.Time
-	backoff time.Duration
+	mu          sync.Mutex // guards the fields below
+	open        bool
+	probing     bool
+	next        time.Time
+	backoff     time.Duration
+	lastSuccess time.Time // when the last call succeeded
 }
 
-// allow reports whether a call may go to Redis now.
-func (b *breaker) allow() bool {
+// allow reports whether a call may go to Redis now, and whether it goes as
+// the probe of an open breaker.
+func (b *breaker) allow() (ok, probe bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if !b.open {
-		return true
+		return true, false
 	}
 	if b.probing || time.Now().Before(b.next) {
-		return false
+		return false, false
 	}
 	b.probing = true
-	return true
+	return true, true
+}
+
+// blocked reports whether a call would be refused now: the breaker is
+// open, and a probe is under way or not yet due. Unlike allow, it takes
+// nothing.
+func (b *breaker) blocked() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.open && (b.probing || time.Now().Before(b.next))
 }
 
 // state reports whether the breaker is open and how long until the next
@@ -66,8 +77,18 @@ func (b *breaker) state() (open bool, probeIn time.Duration) {
 	return true, max(0, time.Until(b.next))
 }
 
-func (b *breaker) failure() {
+// failure records a call, sent at start, that failed as if Redis were
+// unavailable. If another call has succeeded since start, Redis was up
+// while this one waited: the failure is this client's own (a starved
+// goroutine, a lost packet), not Redis's, and the breaker stays closed, so
+// a busy client never fails every caller at once (or hands them all to
+// the fallback).
+func (b *breaker) failure(start time.Time) {
 	b.mu.Lock()
+	if !b.open && b.lastSuccess.After(start) {
+		b.mu.Unlock()
+		return
+	}
 	opened := !b.open
 	if opened {
 		b.open = true
@@ -87,6 +108,7 @@ func (b *breaker) success() {
 	b.mu.Lock()
 	closed := b.open
 	b.open, b.probing = false, false
+	b.lastSuccess = time.Now()
 	b.mu.Unlock()
 	if closed {
 		b.notify(false)

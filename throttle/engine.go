@@ -21,27 +21,27 @@ var (
 
 	//go:embed scripts/book.lua
 	bookSrc    string
-	bookScript = redis.NewScript(clockSrc + bookSrc)
+	bookScript = newScript(clockSrc + bookSrc)
 
 	//go:embed scripts/book1.lua
 	book1Src    string
-	book1Script = redis.NewScript(clockSrc + book1Src)
+	book1Script = newScript(clockSrc + book1Src)
 
 	//go:embed scripts/refund.lua
 	refundSrc    string
-	refundScript = redis.NewScript(clockSrc + refundSrc)
+	refundScript = newScript(clockSrc + refundSrc)
 
 	//go:embed scripts/heartbeat.lua
 	heartbeatSrc    string
-	heartbeatScript = redis.NewScript(heartbeatSrc)
+	heartbeatScript = newScript(heartbeatSrc)
 
 	//go:embed scripts/block.lua
 	blockSrc    string
-	blockScript = redis.NewScript(clockSrc + blockSrc)
+	blockScript = newScript(clockSrc + blockSrc)
 
 	//go:embed scripts/reset.lua
 	resetSrc    string
-	resetScript = redis.NewScript(resetSrc)
+	resetScript = newScript(resetSrc)
 )
 
 // Defaults for New.
@@ -64,9 +64,6 @@ const MaxLimits = 8
 // further ahead than any booking within it could reach is ErrCorruptState.
 const MaxHorizon = 366 * 24 * time.Hour
 
-// horizonMicros is MaxHorizon in microseconds (the scripts' HORIZON).
-const horizonMicros = int64(MaxHorizon / time.Microsecond)
-
 // Forever, as a Request's MaxWait, accepts a slot however far away it is,
 // up to MaxHorizon.
 const Forever = time.Duration(math.MaxInt64)
@@ -83,6 +80,12 @@ type Engine struct {
 	timeout  time.Duration
 	observer Observer
 	breaker  *breaker
+	// gate holds one token per connection of the client's pool (nil when
+	// the pool's size is unknown). A call takes a token before its timeout
+	// starts, so a caller queueing for a connection waits (bounded by its
+	// own context) instead of timing out: the client's own saturation is
+	// never mistaken for Redis being down.
+	gate chan struct{}
 }
 
 // An Option configures an Engine in New.
@@ -125,7 +128,9 @@ func WithObserver(o Observer) Option {
 
 // WithProbeBackoff sets how often, while Redis is unavailable, one call is
 // let through to see whether it is back: first after min, then doubling up
-// to max (defaults DefaultProbeMin, DefaultProbeMax).
+// to max (defaults DefaultProbeMin, DefaultProbeMax). The probe, the one
+// call under way while the breaker is open, may take four times the
+// engine's timeout.
 func WithProbeBackoff(min, max time.Duration) Option {
 	return func(e *Engine) error {
 		if min <= 0 || max < min {
@@ -158,7 +163,20 @@ func New(rdb redis.Scripter, opts ...Option) (*Engine, error) {
 			"so the engine's timeout would not hold: build it with ContextTimeoutEnabled: true (or pass WithTimeout(0))")
 	}
 	e.breaker.notify = e.observer.ObserveBreaker
+	if n := poolSize(rdb); n > 0 {
+		e.gate = make(chan struct{}, n)
+	}
 	return e, nil
+}
+
+// poolSize returns the size of rdb's connection pool, or 0 where there is
+// no single pool to size the gate by (a Cluster or Ring keeps one per node,
+// and a client of another kind is unknown).
+func poolSize(rdb redis.Scripter) int {
+	if c, ok := rdb.(*redis.Client); ok {
+		return c.Options().PoolSize
+	}
+	return 0
 }
 
 // contextTimeouts reports whether rdb lets a context deadline cut a socket
@@ -190,7 +208,7 @@ func (e *Engine) Unavailable() (bool, time.Duration) {
 func (e *Engine) Load(ctx context.Context) error {
 	ctx, cancel := e.callContext(ctx)
 	defer cancel()
-	for _, s := range []*redis.Script{bookScript, book1Script, refundScript, heartbeatScript, blockScript, resetScript, windowScript} {
+	for _, s := range []*script{bookScript, book1Script, refundScript, heartbeatScript, blockScript, resetScript, windowScript} {
 		if err := s.Load(ctx, e.rdb).Err(); err != nil {
 			return fmt.Errorf("throttle: load scripts: %w", err)
 		}
@@ -209,16 +227,25 @@ func (e *Engine) Heartbeat(ctx context.Context, name, id string, ttl time.Durati
 	ms := int64(ttl / time.Millisecond)
 	ctx, cancel := e.callContext(ctx)
 	defer cancel()
-	n, err := heartbeatScript.Run(ctx, e.rdb, []string{e.prefix + "instances:" + name}, id, ms).Int()
+	reply, err := heartbeatScript.run(ctx, e.rdb, []string{e.prefix + "instances:" + name}, []any{id, ms})
 	if err != nil {
 		return 0, fmt.Errorf("throttle: heartbeat %q: %w", name, err)
 	}
-	return max(n, 1), nil
+	n, ok := reply.(int64)
+	if !ok {
+		return 0, fmt.Errorf("throttle: heartbeat %q: unexpected reply %T, want an integer", name, reply)
+	}
+	return max(int(n), 1), nil
 }
 
 func (e *Engine) callContext(ctx context.Context) (context.Context, context.CancelFunc) {
-	if e.timeout > 0 {
-		return context.WithTimeout(ctx, e.timeout)
+	return withTimeout(ctx, e.timeout)
+}
+
+// withTimeout bounds ctx by d, if d is positive.
+func withTimeout(ctx context.Context, d time.Duration) (context.Context, context.CancelFunc) {
+	if d > 0 {
+		return context.WithTimeout(ctx, d)
 	}
 	return ctx, func() {}
 }
@@ -296,14 +323,19 @@ func HashTag(key string) string {
 	return key[open+1 : open+1+end]
 }
 
-// CheckKey reports whether key is acceptable to the engine: not empty and
-// at most MaxKeyLen bytes. The error matches ErrInvalidRequest.
+// CheckKey reports whether key is acceptable to the engine: not empty, at
+// most MaxKeyLen bytes, and, if it holds '{' or '}', with a hash tag (see
+// HashTag), so that a Redis Cluster can place the keys that go with it
+// (a refund's tombstone) on its node. The error matches ErrInvalidRequest.
 func CheckKey(key string) error {
 	if key == "" {
 		return fmt.Errorf("%w: empty key", ErrInvalidRequest)
 	}
 	if len(key) > MaxKeyLen {
 		return fmt.Errorf("%w: key of %d bytes (at most %d)", ErrInvalidRequest, len(key), MaxKeyLen)
+	}
+	if HashTag(key) == "" && strings.ContainsAny(key, "{}") {
+		return fmt.Errorf("%w: key %q has braces but no hash tag (a non-empty {...})", ErrInvalidRequest, key)
 	}
 	return nil
 }

@@ -7,8 +7,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-
-	"github.com/redis/go-redis/v9"
 )
 
 // Result is the outcome of a check-mode call (Allow, AllowN, AllowAll).
@@ -159,7 +157,9 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 				return nil, err
 			}
 		}
-		args = append(args, r.N, min(ceilMicros(min(r.MaxWait, MaxHorizon)), horizonMicros))
+		// Rounded down: a wait of a whole microsecond more than MaxWait is
+		// more than the caller accepts.
+		args = append(args, r.N, int64(min(r.MaxWait, MaxHorizon)/time.Microsecond))
 	}
 
 	// Both scripts answer {now, then per request: booked, wait, m TATs}.
@@ -236,7 +236,7 @@ func (e *Engine) RefundAll(ctx context.Context, keys []string, limits []Limit, b
 	for i := range limits {
 		args = append(args, b.starts[i], b.ends[i])
 	}
-	withTomb := append(keys[:len(keys):len(keys)], tombstone(keys[0], b.id))
+	withTomb := append(keys[:len(keys):len(keys)], e.tombstone(keys[0], b.id))
 	vals, err := e.run(ctx, refundScript, withTomb, args, 1+len(keys))
 	if err != nil {
 		return nil, fmt.Errorf("throttle: refund %q: %w", keys[0], err)
@@ -284,7 +284,7 @@ func (e *Engine) BlockAll(ctx context.Context, keys []string, limits []Limit, d 
 
 // run runs s on the prefixed keys through the breaker, within the timeout,
 // and checks that the reply is an array of want integers.
-func (e *Engine) run(ctx context.Context, s *redis.Script, keys []string, args []any, want int) ([]int64, error) {
+func (e *Engine) run(ctx context.Context, s *script, keys []string, args []any, want int) ([]int64, error) {
 	reply, err := e.runReply(ctx, s, keys, args)
 	if err != nil {
 		return nil, err
@@ -294,29 +294,56 @@ func (e *Engine) run(ctx context.Context, s *redis.Script, keys []string, args [
 
 // runReply runs s on the prefixed keys through the breaker, within the
 // timeout, and classifies its error (see classify).
-func (e *Engine) runReply(ctx context.Context, s *redis.Script, keys []string, args []any) (any, error) {
-	if !e.breaker.allow() {
-		return nil, fmt.Errorf("%w (failing fast until a probe succeeds)", ErrUnavailable)
+func (e *Engine) runReply(ctx context.Context, s *script, keys []string, args []any) (any, error) {
+	if e.gate != nil {
+		// Fail fast while the breaker is open, without queueing for a
+		// connection; allow below takes the probe slot only past the gate.
+		if e.breaker.blocked() {
+			return nil, errBreakerOpen
+		}
+		select {
+		case e.gate <- struct{}{}:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+		defer func() { <-e.gate }()
+	}
+	ok, probe := e.breaker.allow()
+	if !ok {
+		return nil, errBreakerOpen
 	}
 	full := make([]string, len(keys))
 	for i, k := range keys {
 		full[i] = e.prefix + k
 	}
-	callCtx, cancel := e.callContext(ctx)
+	timeout := e.timeout
+	if probe {
+		// The probe is the one call under way while the breaker is open:
+		// a longer timeout costs no one else a wait, and keeps a client
+		// that is merely busy from failing its probes and every call.
+		timeout *= probeTimeouts
+	}
+	callCtx, cancel := withTimeout(ctx, timeout)
 	defer cancel()
 	start := time.Now()
-	reply, err := s.Run(callCtx, e.rdb, full, args...).Result()
-	err = e.classify(ctx, err)
+	reply, err := s.run(callCtx, e.rdb, full, args)
+	err = e.classify(ctx, start, err)
 	e.observer.ObserveCall(label(keys[0]), time.Since(start), err)
 	return reply, err
 }
+
+// probeTimeouts is how many timeouts a probe of an open breaker may take.
+const probeTimeouts = 4
+
+// errBreakerOpen is the error of a call refused at once by the open breaker.
+var errBreakerOpen = fmt.Errorf("%w (failing fast until a probe succeeds)", ErrUnavailable)
 
 // classify tells the breaker what err says of Redis, and returns err as
 // the caller should see it: matching ErrUnavailable when Redis could not
 // be reached or could not serve, and ErrReplyLost as well when the script
 // may have run all the same; matching ErrCorruptState for a stored value
 // that is not a TAT.
-func (e *Engine) classify(ctx context.Context, err error) error {
+func (e *Engine) classify(ctx context.Context, start time.Time, err error) error {
 	switch {
 	case err == nil:
 		e.breaker.success()
@@ -328,7 +355,7 @@ func (e *Engine) classify(ctx context.Context, err error) error {
 		}
 		return err
 	case unavailable(err):
-		e.breaker.failure()
+		e.breaker.failure(start)
 		if !notSent(err) {
 			return fmt.Errorf("%w: %w: %w", ErrUnavailable, ErrReplyLost, err)
 		}
@@ -352,13 +379,16 @@ func floorDiv(a, b int64) int64 {
 	return q
 }
 
-// tombstone is the key that marks booking id of the subject whose first key
-// is key as given back: it shares key's hash tag (or, for a key without
-// one, hashes as key does), so a Redis Cluster holds it beside the keys.
-func tombstone(key string, id uint64) string {
+// tombstone is the key (before the prefix) that marks booking id of the
+// subject whose first key is key as given back. Its full name hashes as
+// the full key's does, so that a Redis Cluster holds it beside the keys:
+// it follows key where the prefixed key has a hash tag, and otherwise
+// takes the whole prefixed key as its tag (CheckKey admits no key with
+// braces but no tag; a prefix with stray braces is the caller's own).
+func (e *Engine) tombstone(key string, id uint64) string {
 	suffix := ":x:" + strconv.FormatUint(id, 36)
-	if HashTag(key) == "" && !strings.ContainsAny(key, "{}") {
-		return "{" + key + "}" + suffix
+	if full := e.prefix + key; HashTag(full) == "" {
+		return "{" + full + "}" + suffix
 	}
 	return key + suffix
 }

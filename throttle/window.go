@@ -5,14 +5,12 @@ import (
 	_ "embed"
 	"fmt"
 	"time"
-
-	"github.com/redis/go-redis/v9"
 )
 
 var (
 	//go:embed scripts/window.lua
 	windowSrc    string
-	windowScript = redis.NewScript(clockSrc + windowSrc)
+	windowScript = newScript(clockSrc + windowSrc)
 )
 
 // A Window is an exact limit: at most Max events in any span of Span. It is

@@ -1,0 +1,63 @@
+package throttle
+
+import (
+	"context"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// A script is a Lua script the engine runs: EVALSHA, and EVAL when Redis
+// answers NOSCRIPT (after a restart or SCRIPT FLUSH), as go-redis's
+// Script.Run does, with one difference: go-redis is told never to retry a
+// call that may have reached Redis.
+//
+// go-redis retries a command whose connection broke after it was written
+// (MaxRetries, 3 by default). For a booking that runs the script twice:
+// the caller gets the second reply and holds one booking, while the first
+// one's slots go unused, with no error to say so; and a retry that then
+// fails to dial would report "nothing sent" for a call that booked. So the
+// engine sends its own commands, marked NoRetry, through the client's
+// Process, and a lost reply surfaces as ErrReplyLost. (A client that cannot
+// Process commands, some other Scripter, is run through Script.Run.)
+type script struct {
+	*redis.Script
+	src string
+}
+
+func newScript(src string) *script { return &script{Script: redis.NewScript(src), src: src} }
+
+// processor is what go-redis's clients (Client, ClusterClient, Ring) offer
+// beyond Scripter: sending a command of the caller's making.
+type processor interface {
+	Process(ctx context.Context, cmd redis.Cmder) error
+}
+
+// onceCmd is a command go-redis must not retry once it may have been sent.
+type onceCmd struct{ *redis.Cmd }
+
+// NoRetry implements redis.Cmder.
+func (onceCmd) NoRetry() bool { return true }
+
+// run runs s on keys with args through rdb and returns its reply.
+func (s *script) run(ctx context.Context, rdb redis.Scripter, keys []string, args []any) (any, error) {
+	p, ok := rdb.(processor)
+	if !ok {
+		return s.Run(ctx, rdb, keys, args...).Result()
+	}
+	cmd := s.cmd(ctx, "evalsha", s.Hash(), keys, args)
+	if err := p.Process(ctx, cmd); redis.HasErrorPrefix(err, "NOSCRIPT") {
+		cmd = s.cmd(ctx, "eval", s.src, keys, args)
+		_ = p.Process(ctx, cmd)
+	}
+	return cmd.Result()
+}
+
+func (s *script) cmd(ctx context.Context, name, body string, keys []string, args []any) onceCmd {
+	a := make([]any, 0, 3+len(keys)+len(args))
+	a = append(a, name, body, len(keys))
+	for _, k := range keys {
+		a = append(a, k)
+	}
+	a = append(a, args...)
+	return onceCmd{redis.NewCmd(ctx, a...)}
+}
