@@ -151,11 +151,11 @@ func TestWaitCancelRefunds(t *testing.T) {
 func TestLocalShareKeysBounded(t *testing.T) {
 	t.Parallel()
 	l, _ := fakeLimiter(t, throttle.PerSecond(10, 0), WithFallback(LocalShare(time.Second, 2, 3)))
+	l.fallback.mu.Lock()
+	defer l.fallback.mu.Unlock()
 	for i := 0; i < 100; i++ {
 		l.fallback.limiters(string(rune('a'+i%26))+strconv.Itoa(i), l.limits)
 	}
-	l.fallback.mu.Lock()
-	defer l.fallback.mu.Unlock()
 	require.LessOrEqual(t, len(l.fallback.local), 3)
 	r, b := l.fallback.share(l.limit)
 	require.InDelta(t, 5.0, float64(r), 1e-9, "10/s shared by 2 assumed instances")

@@ -49,7 +49,7 @@ func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
 	}
 	if len(q.pending) >= l.maxQueue {
 		l.mu.Unlock()
-		l.book(c.ctx, key, []*call{c})
+		l.giveBackLate(c.ctx, key, l.book(c.ctx, key, []*call{c}), true)
 		return c.res, c.err
 	}
 	c.done = make(chan struct{})
@@ -122,8 +122,9 @@ func (l *Limiter) send(ctx context.Context, key string, batch []*call) {
 	}()
 	// The batch serves callers other than the sender: the sender's
 	// cancellation must not fail their call (the engine's timeout bounds it).
-	l.book(context.WithoutCancel(ctx), key, batch)
+	late := l.book(context.WithoutCancel(ctx), key, batch)
 	l.handOn(key, batch)
+	l.giveBackLate(ctx, key, late, len(batch) == 1)
 }
 
 // handOn wakes batch's callers, then hands the queue that built up

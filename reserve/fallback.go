@@ -36,9 +36,18 @@ const (
 	localShare
 )
 
-// FailOpen lets every request pass at once while Redis is unavailable: the
-// quota is not enforced, and nothing waits.
-func FailOpen() Fallback { return Fallback{kind: failOpen, configured: true} }
+// FailOpen lets each process use the whole limit on its own while Redis is
+// unavailable: every key is limited in this process to the full limit (not
+// a share of it), with golang.org/x/time/rate, so N processes admit at most
+// N times the limit, never an unbounded flood. Reservations wait for their
+// local slot within their budget, as with LocalShare. At most 10,000 local
+// limiters are kept.
+func FailOpen() Fallback {
+	return Fallback{kind: failOpen, instances: 1, maxKeys: defaultLocalKeys, configured: true}
+}
+
+// defaultLocalKeys bounds FailOpen's local limiters.
+const defaultLocalKeys = 10_000
 
 // FailClosed refuses every request while Redis is unavailable. The
 // refusal's error matches throttle.ErrUnavailable.
@@ -68,7 +77,7 @@ func WithFallback(f Fallback) Option {
 				f.every, f.instances, f.maxKeys)
 		}
 		l.fallback = &fallback{Fallback: f}
-		if f.kind == localShare {
+		if f.kind == localShare || f.kind == failOpen {
 			l.fallback.instances.Store(int64(f.instances))
 			l.fallback.local = make(map[string][]*rate.Limiter)
 		}
@@ -108,8 +117,17 @@ type fallback struct {
 	instances     atomic.Int64
 	lastHeartbeat atomic.Int64 // unix nanoseconds
 
-	mu    sync.Mutex                 // guards local
+	// mu guards local and last, and is held across each request's
+	// reservations in its local limiters, so that a refused request's
+	// cancellations undo exactly what it took: x/time/rate's Cancel gives
+	// back only part when other reservations came in between.
+	mu    sync.Mutex
 	local map[string][]*rate.Limiter // per key, one per limit, in the Limiter's order
+	// last is the latest time given to any local limiter. x/time/rate
+	// counts the time since its last event again when handed an earlier
+	// time, and concurrent callers' clocks reach the lock out of order, so
+	// no limiter is ever given a time before last.
+	last time.Time
 }
 
 // heartbeat records this process, at most once per interval, after a call
@@ -124,7 +142,17 @@ func (l *Limiter) heartbeat(ctx context.Context) {
 	if now-last < int64(f.every) || !f.lastHeartbeat.CompareAndSwap(last, now) {
 		return
 	}
-	n, err := l.eng.Heartbeat(context.WithoutCancel(ctx), l.name, processID, 3*f.every)
+	// On a goroutine of its own (at most one started per interval, each
+	// bounded by the engine's timeout): the caller whose call reached
+	// Redis must not wait a round trip more for its answer.
+	go l.beat(context.WithoutCancel(ctx))
+}
+
+// beat records this process's heartbeat and, if the count of processes
+// changed, every local limiter's share.
+func (l *Limiter) beat(ctx context.Context) {
+	f := l.fallback
+	n, err := l.eng.Heartbeat(ctx, l.name, processID, 3*f.every)
 	if err != nil {
 		return // the next interval tries again
 	}
@@ -148,10 +176,8 @@ func (f *fallback) share(limit throttle.Limit) (rate.Limit, int) {
 	return rate.Limit(perSec), max(1, (limit.Burst+1)/int(n))
 }
 
-// limiters returns key's local limiters, one per limit.
+// limiters returns key's local limiters, one per limit. f.mu is held.
 func (f *fallback) limiters(key string, limits []throttle.Limit) []*rate.Limiter {
-	f.mu.Lock()
-	defer f.mu.Unlock()
 	if lims, ok := f.local[key]; ok {
 		return lims
 	}
@@ -169,6 +195,26 @@ func (f *fallback) limiters(key string, limits []throttle.Limit) []*rate.Limiter
 	return lims
 }
 
+// monotonic returns t, or last if t is before it, and moves last on. f.mu
+// is held.
+func (f *fallback) monotonic(t time.Time) time.Time {
+	if t.Before(f.last) {
+		return f.last
+	}
+	f.last = t
+	return t
+}
+
+// cancel gives back a fallback reservation's local bookings.
+func (f *fallback) cancel(rs []*rate.Reservation) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	at := f.monotonic(time.Now())
+	for _, r := range rs {
+		r.CancelAt(at)
+	}
+}
+
 // forget drops key's local limiters (Limiter.Reset).
 func (f *fallback) forget(key string) {
 	f.mu.Lock()
@@ -181,15 +227,19 @@ func (f *fallback) forget(key string) {
 // and the delay, or ok false and the wait it would have needed (for a
 // request no share can ever pass, the first limit's interval times n).
 func (l *Limiter) localReserve(key string, n int, now time.Time, budget time.Duration) (rs []*rate.Reservation, delay time.Duration, ok bool) {
-	lims := l.fallback.limiters(key, l.limits)
+	f := l.fallback
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	at := f.monotonic(now)
+	lims := f.limiters(key, l.limits)
 	rs = make([]*rate.Reservation, 0, len(lims))
 	cancel := func() {
 		for _, r := range rs {
-			r.CancelAt(now)
+			r.CancelAt(at)
 		}
 	}
 	for _, lim := range lims {
-		r := lim.ReserveN(now, n)
+		r := lim.ReserveN(at, n)
 		if !r.OK() {
 			cancel()
 			return nil, l.limit.Interval() * time.Duration(n), false
@@ -215,12 +265,10 @@ func (l *Limiter) fallbackReserve(key string, n int, now time.Time, budget time.
 		return r
 	}
 	switch f.kind {
-	case failOpen:
-		r.act = now
 	case failClosed:
 		_, probe := l.eng.Unavailable()
 		return refuse(probe)
-	case localShare:
+	case failOpen, localShare:
 		local, delay, ok := l.localReserve(key, n, now, budget)
 		if !ok {
 			return refuse(delay)
@@ -237,9 +285,6 @@ func (l *Limiter) fallbackAllow(key string, n int) (throttle.Result, error) {
 	f := l.fallback
 	obs := l.eng.Observer()
 	switch f.kind {
-	case failOpen:
-		obs.ObserveDecision(l.name, throttle.FallbackAllowed, 0)
-		return throttle.Result{Allowed: true}, nil
 	case failClosed:
 		_, probe := l.eng.Unavailable()
 		obs.ObserveDecision(l.name, throttle.FallbackRefused, probe)
@@ -252,8 +297,11 @@ func (l *Limiter) fallbackAllow(key string, n int) (throttle.Result, error) {
 	}
 	obs.ObserveDecision(l.name, throttle.FallbackAllowed, 0)
 	remaining := math.MaxInt
+	f.mu.Lock()
+	at := f.monotonic(now)
 	for _, lim := range f.limiters(key, l.limits) {
-		remaining = min(remaining, int(lim.TokensAt(now)))
+		remaining = min(remaining, int(lim.TokensAt(at)))
 	}
+	f.mu.Unlock()
 	return throttle.Result{Allowed: true, Remaining: max(remaining, 0)}, nil
 }

@@ -143,6 +143,21 @@ func TestCluster(t *testing.T) {
 	require.NoError(t, l.Pause(ctx, "tenant-0", time.Minute))
 	_, err = eng.Heartbeat(ctx, "api", "p1", time.Second)
 	require.NoError(t, err)
+	require.NoError(t, l.Reset(ctx, "tenant-0"))
+
+	// The engine's own keys, with a hash tag or without: a refund's
+	// tombstone lives on the key's node.
+	for _, k := range []string{"plain", "tagged:{t}"} {
+		_, err := eng.Book(ctx, k, throttle.PerMinute(1, 0), throttle.Request{N: 1, MaxWait: throttle.Forever})
+		require.NoError(t, err, k)
+		b, err := eng.Book(ctx, k, throttle.PerMinute(1, 0), throttle.Request{N: 1, MaxWait: throttle.Forever})
+		require.NoError(t, err, k)
+		given, err := eng.Refund(ctx, k, throttle.PerMinute(1, 0), b)
+		require.NoError(t, err, k)
+		require.Equal(t, time.Minute, given, k)
+	}
+	_, err = eng.Allow(ctx, "a{}b", throttle.PerMinute(1, 0))
+	require.ErrorIs(t, err, throttle.ErrInvalidRequest, "braces without a hash tag")
 
 	// A UniversalClient over the cluster's addresses fits as well.
 	uc := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: cluster.Addrs, ContextTimeoutEnabled: true})

@@ -283,7 +283,7 @@ func (l *Limiter) ReserveN(ctx context.Context, key string, n int) (*Reservation
 	if l.coalesce {
 		return l.coalesced(k, c)
 	}
-	l.book(ctx, k, []*call{c})
+	l.giveBackLate(ctx, k, l.book(ctx, k, []*call{c}), true)
 	return c.res, c.err
 }
 
@@ -323,7 +323,7 @@ func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequ
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	l.book(ctx, k, calls)
+	l.giveBackLate(ctx, k, l.book(ctx, k, calls), len(calls) == 1)
 	out := make([]*Reservation, len(calls))
 	for i, c := range calls {
 		if c.err != nil {
@@ -336,8 +336,11 @@ func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequ
 
 // book judges calls for key in one engine call (ctx bounds the call) and
 // sets each call's res or err. A call whose budget is already spent is
-// refused without being sent; if none is left, no call is made.
-func (l *Limiter) book(ctx context.Context, key string, calls []*call) {
+// refused without being sent; if none is left, no call is made. It returns
+// the bookings refused once the reply was in, for the caller to give back
+// with giveBackLate once every call has its answer (so that the refunds'
+// round trip does not hold back the calls that were booked).
+func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []throttle.Booking) {
 	now := l.clock.Now()
 	type sent struct {
 		c      *call
@@ -363,7 +366,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) {
 		out = append(out, sent{c, budget, bound})
 	}
 	if len(reqs) == 0 {
-		return
+		return nil
 	}
 	bs, err := l.eng.BookAll(ctx, l.keysOf(key), l.limits, reqs)
 	// The waits were measured on the Redis clock at some point before the
@@ -373,10 +376,11 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) {
 		l.heartbeat(ctx)
 	}
 	useFallback := err != nil && l.fallback != nil && errors.Is(err, throttle.ErrUnavailable)
-	var late []throttle.Booking // booked, but past the caller's deadline once the reply came
 	for i, s := range out {
 		if useFallback && s.c.ctx.Err() == nil {
-			s.c.res = l.fallbackReserve(key, s.c.n, arrived, s.budget, err)
+			// The local slot is taken now: the budget from now.
+			budget, _ := deadline.Budget(s.c.ctx, arrived, l.maxWait, l.work)
+			s.c.res = l.fallbackReserve(key, s.c.n, arrived, budget, err)
 			continue
 		}
 		if err != nil {
@@ -398,13 +402,30 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) {
 		}
 		s.c.res = r
 	}
-	// Latest first: a booking gives its room back only while nothing
-	// booked after it stands on it.
-	for i := len(late) - 1; i >= 0; i-- {
-		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
-		_, _ = l.eng.RefundAll(cctx, l.keysOf(key), l.limits, late[i])
-		cancel()
+	return late
+}
+
+// giveBackLate gives back the bookings book refused once the reply was in,
+// latest first: a booking gives its room back only while nothing booked
+// after it stands on it. Where calls other than the refused one are
+// waiting on the same batch, it is run on a goroutine of its own (bounded
+// by a one-second timeout), after they have their answers.
+func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.Booking, alone bool) {
+	if len(late) == 0 {
+		return
 	}
+	run := func() {
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		defer cancel()
+		for i := len(late) - 1; i >= 0; i-- {
+			_, _ = l.eng.RefundAll(cctx, l.keysOf(key), l.limits, late[i])
+		}
+	}
+	if alone {
+		run()
+		return
+	}
+	go run()
 }
 
 // pastDeadline reports whether a caller acting at act would not finish
@@ -428,7 +449,7 @@ func (l *Limiter) Reset(ctx context.Context, key string) error {
 	if err := l.eng.Reset(ctx, l.keysOf(k)...); err != nil {
 		return err
 	}
-	if l.fallback != nil && l.fallback.kind == localShare {
+	if l.fallback != nil && l.fallback.local != nil {
 		l.fallback.forget(k)
 	}
 	return nil
@@ -570,8 +591,8 @@ func (r *Reservation) Cancel(ctx context.Context) error {
 		return nil
 	}
 	if r.fallback {
-		for _, lr := range r.local {
-			lr.Cancel()
+		if r.local != nil {
+			r.lim.fallback.cancel(r.local)
 		}
 		r.canceled = true
 		return nil

@@ -1,0 +1,105 @@
+package reserve_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/slotbook/slotbook/internal/redistest"
+	"github.com/slotbook/slotbook/reserve"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+// TestOverloadKeepsTheLimit: a client saturated by its own callers (1,000
+// goroutines calling Allow every 10ms on one key, far more than its
+// connection pool serves within the engine's 50ms timeout) is not Redis
+// being down: callers queue for a connection instead of timing out, the
+// breaker does not open wholesale, and FailOpen, should it answer at all,
+// admits no more than the limit per process. Without a fallback, callers
+// are not failed wholesale either.
+func TestOverloadKeepsTheLimit(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t) // a server of its own: the load would slow other tests' calls
+	limit := throttle.PerSecond(10, 5)
+	run := func(t *testing.T, opts ...reserve.Option) (allowed, calls, failed int64, elapsed time.Duration) {
+		obs := &outcomes{}
+		defer func() { t.Logf("outcomes %v", obs) }()
+		eng, err := throttle.New(srv.Client(t), throttle.WithPrefix(redistest.Prefix(t)), throttle.WithObserver(obs))
+		require.NoError(t, err)
+		l, err := reserve.New(eng, "api", limit, opts...)
+		require.NoError(t, err)
+		var a, c, f atomic.Int64
+		var wg sync.WaitGroup
+		start := time.Now()
+		stop := start.Add(1500 * time.Millisecond)
+		for g := 0; g < 1000; g++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for time.Now().Before(stop) {
+					r, err := l.Allow(context.Background(), "k")
+					c.Add(1)
+					switch {
+					case err != nil:
+						f.Add(1)
+					case r.Allowed:
+						a.Add(1)
+					}
+					time.Sleep(10 * time.Millisecond)
+				}
+			}()
+		}
+		wg.Wait()
+		return a.Load(), c.Load(), f.Load(), time.Since(start)
+	}
+	// What the limit lets through in elapsed, on the Redis clock or on this
+	// process's own when FailOpen answers: each at most rate*elapsed+burst+1.
+	bound := func(elapsed time.Duration) int64 {
+		return int64(elapsed.Seconds()*float64(limit.Rate)) + int64(limit.Burst) + 2
+	}
+
+	t.Run("fail open", func(t *testing.T) {
+		allowed, calls, failed, elapsed := run(t, reserve.WithFallback(reserve.FailOpen()))
+		t.Logf("fail open: %d allowed of %d calls (%d failed) in %v", allowed, calls, failed, elapsed)
+		require.Zero(t, failed)
+		require.LessOrEqual(t, allowed, 2*bound(elapsed), "Redis's share and at most one local limit's worth")
+		require.GreaterOrEqual(t, allowed, int64(limit.Burst+1), "the limit still lets its burst through")
+	})
+	t.Run("no fallback", func(t *testing.T) {
+		allowed, calls, failed, elapsed := run(t)
+		t.Logf("no fallback: %d allowed of %d calls (%d failed) in %v", allowed, calls, failed, elapsed)
+		require.Less(t, failed*100, calls, "fewer than 1% of calls fail")
+		require.LessOrEqual(t, allowed, bound(elapsed))
+	})
+}
+
+// outcomes counts an engine's decisions by outcome, and its breaker's
+// openings.
+type outcomes struct {
+	n     [throttle.FallbackRefused + 1]atomic.Int64
+	opens atomic.Int64
+}
+
+func (o *outcomes) ObserveDecision(_ string, oc throttle.Outcome, _ time.Duration) { o.n[oc].Add(1) }
+func (o *outcomes) ObserveCall(string, time.Duration, error)                       {}
+func (o *outcomes) ObserveRefund(string, time.Duration)                            {}
+func (o *outcomes) ObserveBreaker(open bool) {
+	if open {
+		o.opens.Add(1)
+	}
+}
+
+func (o *outcomes) String() string {
+	var b strings.Builder
+	for i := range o.n {
+		fmt.Fprintf(&b, "%v %d, ", throttle.Outcome(i), o.n[i].Load())
+	}
+	fmt.Fprintf(&b, "breaker opened %d times", o.opens.Load())
+	return b.String()
+}
