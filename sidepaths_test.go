@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strconv"
 	"sync/atomic"
@@ -557,4 +558,114 @@ func TestSidePathLostBookReply(t *testing.T) {
 		require.ErrorIs(t, err, throttle.ErrUnavailable)
 		require.NotErrorIs(t, err, throttle.ErrReplyLost, "nothing reached Redis")
 	})
+}
+
+// TestSidePathFallbackDeadline: a fallback answer is judged against the
+// context deadline from when the failed call came back, not from before
+// it: its local slot may not land past the deadline once the call's
+// timeout has been spent (found by review: the budget was measured before
+// the call).
+func TestSidePathFallbackDeadline(t *testing.T) {
+	t.Parallel()
+	s := newSideEnv(t)
+	p, eng := s.proxied(t, throttle.WithTimeout(300*time.Millisecond), throttle.WithProbeBackoff(time.Millisecond, time.Millisecond))
+	p.SetReplyDelay(time.Hour) // every reply is lost at the engine's timeout
+	lim := newLimiter(t, eng, throttle.PerMinute(1, 0), reserve.WithFallback(reserve.LocalShare(time.Minute, 1, 100)), reserve.WithCoalescing(false))
+	ctx := context.Background()
+	r1, err := lim.Reserve(ctx, "k")
+	require.NoError(t, err)
+	require.True(t, r1.OK() && r1.Fallback(), "%+v", r1)
+
+	time.Sleep(5 * time.Millisecond) // a probe is due: the next call spends its timeout
+
+	// The local limiter's next slot is a minute after r1's; the deadline
+	// 150ms before it. Measured before the call, the budget would fit the
+	// slot once the call's 300ms timeout has passed.
+	next := r1.SlotAt().Add(time.Minute)
+	dctx, cancel := context.WithDeadline(ctx, next.Add(-150*time.Millisecond))
+	defer cancel()
+	r2, err := lim.Reserve(dctx, "k")
+	require.NoError(t, err)
+	dl, _ := dctx.Deadline()
+	if r2.OK() {
+		require.False(t, r2.SlotAt().After(dl), "a fallback slot %v past the context deadline", r2.SlotAt().Sub(dl))
+	}
+}
+
+// minDuration returns the shortest of n runs of f: the least the machine's
+// load has added to it.
+func minDuration(n int, f func()) time.Duration {
+	best := time.Duration(math.MaxInt64)
+	for i := 0; i < n; i++ {
+		start := time.Now()
+		f()
+		best = min(best, time.Since(start))
+	}
+	return best
+}
+
+// TestSidePathHeartbeatOffThePath: LocalShare's heartbeat is not a round
+// trip the caller waits for: with 40ms of latency, a reservation with a
+// heartbeat due returns as fast as one without a fallback (a control in
+// the same run), not a round trip later (found by review: the heartbeat
+// ran between the deadline check and the caller, so Acquire said go after
+// its deadline).
+func TestSidePathHeartbeatOffThePath(t *testing.T) {
+	t.Parallel()
+	s := newSideEnv(t)
+	const rtt = 40 * time.Millisecond
+	p, eng := s.proxied(t, throttle.WithTimeout(5*time.Second))
+	p.SetLatency(rtt / 2)
+	withBeat := newLimiter(t, eng, throttle.PerSecond(1000, 100),
+		reserve.WithFallback(reserve.LocalShare(10*time.Millisecond, 1, 100)), reserve.WithCoalescing(false))
+	control := newLimiter(t, eng, throttle.PerSecond(1000, 100), reserve.WithCoalescing(false))
+	ctx := context.Background()
+	reserveOK := func(l *reserve.Limiter) func() {
+		return func() {
+			time.Sleep(20 * time.Millisecond) // a heartbeat is due again
+			r, err := l.Reserve(ctx, "k")
+			require.NoError(t, err)
+			require.True(t, r.OK())
+		}
+	}
+	beat := minDuration(5, reserveOK(withBeat))
+	ctl := minDuration(5, reserveOK(control))
+	t.Logf("fastest reservation with a heartbeat due %v, without a fallback %v", beat, ctl)
+	require.Less(t, beat, ctl+rtt/2, "the heartbeat's round trip must not be on the caller's path")
+}
+
+// TestSidePathLateRefundOffThePath: a batch in which one booking turns out
+// late once the reply is in gives it back after the others have their
+// answers: the batch returns as fast as one with nothing late (a control
+// in the same run), not a refund's round trip later (found by review: an
+// OK neighbour reached its caller after its own deadline).
+func TestSidePathLateRefundOffThePath(t *testing.T) {
+	t.Parallel()
+	s := newSideEnv(t)
+	const rtt = 40 * time.Millisecond
+	p, eng := s.proxied(t, throttle.WithTimeout(5*time.Second))
+	p.SetLatency(rtt / 2)
+	lim := newLimiter(t, eng, throttle.PerSecond(1000, 100))
+	ctx := context.Background()
+	batch := func(first time.Duration) func() {
+		return func() {
+			// The first request's deadline passes while the reply travels
+			// (its slot is immediate, its deadline shorter than the trip);
+			// the second's leaves room.
+			c0, cancel0 := context.WithTimeout(ctx, first)
+			defer cancel0()
+			c1, cancel1 := context.WithTimeout(ctx, time.Minute)
+			defer cancel1()
+			rs, err := lim.ReserveBatch(ctx, "k", []reserve.BatchRequest{{Context: c0, N: 1}, {Context: c1, N: 1}})
+			require.NoError(t, err)
+			require.True(t, rs[1].OK())
+			if first < rtt/2 {
+				require.ErrorIs(t, rs[0].Err(), reserve.ErrWouldExceedDeadline)
+			}
+		}
+	}
+	late := minDuration(5, batch(rtt/4))
+	ctl := minDuration(5, batch(time.Minute))
+	t.Logf("fastest batch with a late booking %v, with none %v", late, ctl)
+	require.Less(t, late, ctl+rtt/2, "the late booking's refund must not hold back its neighbours")
 }
