@@ -25,7 +25,9 @@ func Example() {
 	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr(), ContextTimeoutEnabled: true})
 	defer rdb.Close()
 
-	eng, err := throttle.New(rdb)
+	// A second, not the default 50ms: the embedded Redis shares this busy
+	// test process, and an example's output must not depend on its speed.
+	eng, err := throttle.New(rdb, throttle.WithTimeout(time.Second))
 	if err != nil {
 		panic(err)
 	}

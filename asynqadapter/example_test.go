@@ -25,8 +25,16 @@ func ExampleMiddleware() {
 	defer mr.Close()
 	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr(), ContextTimeoutEnabled: true})
 	defer rdb.Close()
-	eng, _ := throttle.New(rdb)
-	lim, _ := reserve.New(eng, "partner", throttle.PerMinute(6, 0), reserve.WithMaxWait(time.Second))
+	// A second, not the default 50ms: the embedded Redis shares this busy
+	// test process, and an example's output must not depend on its speed.
+	eng, err := throttle.New(rdb, throttle.WithTimeout(time.Second))
+	if err != nil {
+		panic(err)
+	}
+	lim, err := reserve.New(eng, "partner", throttle.PerMinute(6, 0), reserve.WithMaxWait(time.Second))
+	if err != nil {
+		panic(err)
+	}
 
 	handler := asynqadapter.Middleware(lim, asynqadapter.WithSpread(false))(
 		asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {

@@ -3,6 +3,7 @@ package metrics_test
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/prometheus/client_golang/prometheus"
@@ -25,13 +26,26 @@ func Example() {
 	m := metrics.New()
 	reg := prometheus.NewRegistry() // or prometheus.DefaultRegisterer: your choice
 	reg.MustRegister(m)
-	eng, _ := throttle.New(rdb, throttle.WithObserver(m))
-	lim, _ := reserve.New(eng, "partner", throttle.PerSecond(10, 1))
+	// A second, not the default 50ms: the embedded Redis shares this busy
+	// test process, and an example's output must not depend on its speed.
+	eng, err := throttle.New(rdb, throttle.WithObserver(m), throttle.WithTimeout(time.Second))
+	if err != nil {
+		panic(err)
+	}
+	lim, err := reserve.New(eng, "partner", throttle.PerSecond(10, 1))
+	if err != nil {
+		panic(err)
+	}
 	for i := 0; i < 3; i++ {
-		_, _ = lim.Allow(context.Background(), "eu")
+		if _, err := lim.Allow(context.Background(), "eu"); err != nil {
+			panic(err)
+		}
 	}
 
-	families, _ := reg.Gather()
+	families, err := reg.Gather()
+	if err != nil {
+		panic(err)
+	}
 	for _, f := range families {
 		if f.GetName() == "slotbook_decisions_total" {
 			for _, s := range f.GetMetric() {

@@ -3,6 +3,7 @@ package pool_test
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
@@ -20,8 +21,16 @@ func Example() {
 	defer mr.Close()
 	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr(), ContextTimeoutEnabled: true})
 	defer rdb.Close()
-	eng, _ := throttle.New(rdb)
-	lim, _ := reserve.New(eng, "emails", throttle.PerSecond(50, 4))
+	// A second, not the default 50ms: the embedded Redis shares this busy
+	// test process, and an example's output must not depend on its speed.
+	eng, err := throttle.New(rdb, throttle.WithTimeout(time.Second))
+	if err != nil {
+		panic(err)
+	}
+	lim, err := reserve.New(eng, "emails", throttle.PerSecond(50, 4))
+	if err != nil {
+		panic(err)
+	}
 
 	p, err := pool.New(lim, pool.WithWorkers(4))
 	if err != nil {
