@@ -149,16 +149,8 @@ func notSent(err error) bool {
 	if errors.As(err, &op) && op.Op == "dial" {
 		return true
 	}
-	if errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, redis.ErrPoolTimeout) || errors.Is(err, redis.ErrPoolExhausted) {
-		return true
-	}
-	msg := err.Error()
-	for _, p := range []string{"LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "BUSY"} {
-		if strings.HasPrefix(msg, p) {
-			return true
-		}
-	}
-	return false
+	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, redis.ErrPoolTimeout) ||
+		errors.Is(err, redis.ErrPoolExhausted) || cannotServe(err)
 }
 
 // unavailable reports whether err means Redis could not be reached or could
@@ -173,6 +165,13 @@ func unavailable(err error) bool {
 		errors.As(err, &ne):
 		return true
 	}
+	return cannotServe(err)
+}
+
+// cannotServe reports whether err is Redis's answer that it cannot run the
+// command now (loading, a master down, a cluster resharding, a script
+// running too long): the command did not run.
+func cannotServe(err error) bool {
 	msg := err.Error()
 	for _, p := range []string{"LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "BUSY"} {
 		if strings.HasPrefix(msg, p) {
