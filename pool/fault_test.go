@@ -297,3 +297,40 @@ func TestAcquireWaitingEndsAtClose(t *testing.T) {
 	_, err = p.Acquire(ctx, "k")
 	require.ErrorIs(t, err, pool.ErrClosed)
 }
+
+// TestBatchFallbackOneCancelled: while Redis's replies are lost, a batch in
+// which one job's context ends during the call still gets the fallback's
+// answer for the others: one caller gone must not fail its neighbours (found
+// by review: the whole batch ended with the engine's error).
+func TestBatchFallbackOneCancelled(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Shared(t)
+	srv.RequireReal(t)
+	p := redistest.NewProxy(t, srv.Addr)
+	o := srv.Options()
+	o.Addr = p.Addr()
+	rdb := redis.NewClient(o)
+	t.Cleanup(func() { _ = rdb.Close() })
+	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(300*time.Millisecond))
+	require.NoError(t, err)
+	require.NoError(t, eng.Load(context.Background()))
+	lim, err := reserve.New(eng, "api", throttle.PerSecond(10, 5), reserve.WithFallback(reserve.FailOpen()))
+	require.NoError(t, err)
+	pl := newPool(t, lim, pool.WithWorkers(4))
+	p.SetReplyDelay(time.Hour) // every reply is lost at the engine's timeout
+
+	ctx2, cancel2 := context.WithCancel(context.Background())
+	defer cancel2()
+	ran := make(chan struct{}, 1)
+	j1, err := pl.Submit(context.Background(), "k", func(context.Context) error { ran <- struct{}{}; return nil })
+	require.NoError(t, err)
+	j2, err := pl.Submit(ctx2, "k", func(context.Context) error { return nil })
+	require.NoError(t, err)
+	time.AfterFunc(100*time.Millisecond, cancel2) // while the call is in flight
+	wctx, wc := context.WithTimeout(context.Background(), 30*time.Second)
+	defer wc()
+	require.NoError(t, j1.Wait(wctx), "job 1's context never ended: the fallback runs it")
+	require.True(t, j1.Reservation().Fallback())
+	<-ran
+	require.ErrorIs(t, j2.Wait(wctx), context.Canceled)
+}

@@ -42,6 +42,10 @@ const (
 // N times the limit, never an unbounded flood. Reservations wait for their
 // local slot within their budget, as with LocalShare. At most 10,000 local
 // limiters are kept.
+//
+// Like LocalShare's, the local limiters know nothing of the slots booked in
+// Redis before the outage: when Redis becomes unavailable, a process may
+// admit a local burst on top of the slots it had booked ahead.
 func FailOpen() Fallback {
 	return Fallback{kind: failOpen, instances: 1, maxKeys: defaultLocalKeys, configured: true}
 }

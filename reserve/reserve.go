@@ -377,7 +377,13 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 	}
 	useFallback := err != nil && l.fallback != nil && errors.Is(err, throttle.ErrUnavailable)
 	for i, s := range out {
-		if useFallback && s.c.ctx.Err() == nil {
+		if useFallback {
+			if cerr := s.c.ctx.Err(); cerr != nil {
+				// Its caller is gone: no local slot for it, and the
+				// batch's other requests still get the fallback's answer.
+				s.c.res = &Reservation{lim: l, key: key, err: cerr}
+				continue
+			}
 			// The local slot is taken now: the budget from now.
 			budget, _ := deadline.Budget(s.c.ctx, arrived, l.maxWait, l.work)
 			s.c.res = l.fallbackReserve(key, s.c.n, arrived, budget, err)
@@ -508,7 +514,10 @@ type Reservation struct {
 func (r *Reservation) OK() bool { return r.err == nil }
 
 // Err returns nil for a booked slot, and for a refusal a *deadline.Error
-// matching ErrMaxWaitExceeded or ErrWouldExceedDeadline.
+// matching ErrMaxWaitExceeded or ErrWouldExceedDeadline (or, answered by
+// the fallback, a *FallbackError). In a ReserveBatch answered by the
+// fallback, a request whose own context ended meanwhile gets that
+// context's error.
 func (r *Reservation) Err() error { return r.err }
 
 // RetryAfter returns, for a refusal, the exact wait the slot would have

@@ -170,10 +170,11 @@ func unavailable(err error) bool {
 
 // cannotServe reports whether err is Redis's answer that it cannot run the
 // command now (loading, a master down, a cluster resharding, a script
-// running too long): the command did not run.
+// running too long) or cannot write (out of memory, a read-only replica
+// after a failover, a failed save, too few replicas): nothing was written.
 func cannotServe(err error) bool {
 	msg := err.Error()
-	for _, p := range []string{"LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "BUSY"} {
+	for _, p := range []string{"LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "BUSY", "OOM", "READONLY", "MISCONF", "NOREPLICAS"} {
 		if strings.HasPrefix(msg, p) {
 			return true
 		}
