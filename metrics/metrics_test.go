@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/internal/redistest"
+	"github.com/slotbook/slotbook/internal/testhook"
 	"github.com/slotbook/slotbook/metrics"
 	"github.com/slotbook/slotbook/reserve"
 	"github.com/slotbook/slotbook/throttle"
@@ -29,7 +30,10 @@ func TestDecisionsAndRefunds(t *testing.T) {
 	require.NoError(t, err)
 	lim, err := reserve.New(eng, "api", throttle.PerSecond(10, 1), reserve.WithMaxWait(150*time.Millisecond))
 	require.NoError(t, err)
-	ctx := context.Background()
+	// On an explicit clock: every wait below is exact however long the
+	// calls take (on the real one, a slow machine would bring the slot
+	// 200ms away within the max wait).
+	ctx := testhook.WithNow(context.Background(), time.Now().UnixMicro())
 
 	for i := 0; i < 2; i++ { // the burst: booked at once
 		r, err := lim.Reserve(ctx, "tenant-1")
@@ -84,7 +88,11 @@ func TestFallbackGaugeAndErrors(t *testing.T) {
 	t.Parallel()
 	m := metrics.New(metrics.WithNamespace("acme"), metrics.WithConstLabels(prometheus.Labels{"app": "billing"}))
 	srv := redistest.Start(t)
-	eng, err := throttle.New(srv.Client(t), throttle.WithObserver(m))
+	// No probe within the test, however slow the machine: exactly one call
+	// reaches the dead server. A generous timeout, so that the call before
+	// the kill cannot miss it (after the kill, calls fail at once).
+	eng, err := throttle.New(srv.Client(t), throttle.WithObserver(m), throttle.WithTimeout(5*time.Second),
+		throttle.WithProbeBackoff(time.Minute, time.Minute))
 	require.NoError(t, err)
 	lim, err := reserve.New(eng, "api", throttle.PerSecond(10, 1), reserve.WithFallback(reserve.FailOpen()))
 	require.NoError(t, err)
@@ -117,7 +125,9 @@ func TestLostReplies(t *testing.T) {
 	m := metrics.New()
 	srv := redistest.Start(t)
 	admin := srv.Client(t)
-	eng, err := throttle.New(srv.Client(t), throttle.WithObserver(m), throttle.WithTimeout(50*time.Millisecond),
+	// A timeout generous enough for the calls before the pause on a busy
+	// machine, and far shorter than the pause.
+	eng, err := throttle.New(srv.Client(t), throttle.WithObserver(m), throttle.WithTimeout(time.Second),
 		throttle.WithProbeBackoff(time.Minute, time.Minute))
 	require.NoError(t, err)
 	lim, err := reserve.New(eng, "api", throttle.PerSecond(10, 1))
@@ -127,7 +137,9 @@ func TestLostReplies(t *testing.T) {
 	_, err = lim.Reserve(ctx, "k") // a connection in the pool
 	require.NoError(t, err)
 
-	require.NoError(t, admin.Do(ctx, "CLIENT", "PAUSE", "300", "ALL").Err())
+	// Paused for far longer than the timeout and the calls below can take
+	// on a busy machine, so the first is certainly cut off by its timeout.
+	require.NoError(t, admin.Do(ctx, "CLIENT", "PAUSE", "5000", "ALL").Err())
 	_, err = lim.Reserve(ctx, "k")
 	require.ErrorIs(t, err, throttle.ErrUnavailable)
 	require.ErrorIs(t, err, throttle.ErrReplyLost)

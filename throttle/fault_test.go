@@ -3,6 +3,7 @@ package throttle_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"syscall"
 	"testing"
@@ -39,9 +40,87 @@ func (nopObserverForTest) ObserveDecision(string, throttle.Outcome, time.Duratio
 func (nopObserverForTest) ObserveCall(string, time.Duration, error)                {}
 func (nopObserverForTest) ObserveRefund(string, time.Duration)                     {}
 
+// outage is how long TestPausedRedis keeps the server stopped while it
+// calls. A call without the engine's timeout would wait on a stopped
+// server for longer than that (until go-redis's own 3 s read timeout).
+const outage = time.Second
+
+// failFast checks the durations of calls made while Redis was down,
+// without a wall-clock bound a busy machine cannot keep: none waited
+// anywhere near what a call without the engine's timeout would (half the
+// outage, ten times the timeout, is far below it), and most (more than
+// half) took well under the timeout: refused by the open breaker (or the
+// kernel) rather than waiting for the server.
+func failFast(t *testing.T, durations []time.Duration) {
+	t.Helper()
+	require.NotEmpty(t, durations)
+	fast := 0
+	for _, d := range durations {
+		if d < throttle.DefaultTimeout/2 {
+			fast++
+		}
+	}
+	slowest := slices.Max(durations)
+	t.Logf("%d calls while down, %d under half the timeout, slowest %v", len(durations), fast, slowest)
+	require.Less(t, slowest, outage/2, "a call waited for the server instead of its timeout")
+	require.Greater(t, 2*fast, len(durations), "most calls must fail much faster than the timeout")
+}
+
+// backWithin calls until shared limiting is back, failing the test if it
+// is not within d: the next probe of an open breaker is at most
+// DefaultProbeMax away, so d leaves a busy machine plenty of room while
+// still failing a breaker that never closes. It returns how long it took.
+func backWithin(t *testing.T, eng *throttle.Engine, d time.Duration) time.Duration {
+	t.Helper()
+	ctx := context.Background()
+	start := time.Now()
+	for {
+		_, err := eng.Allow(ctx, "k", tenPerSecond)
+		if err == nil {
+			return time.Since(start)
+		}
+		require.ErrorIs(t, err, throttle.ErrUnavailable)
+		require.Less(t, time.Since(start), d, "shared limiting not back: the breaker never let a probe succeed")
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// warmUp retries f until it succeeds: a setup call must reach a working
+// Redis, and on a busy machine one may miss the default 50ms timeout that
+// these tests keep (opening the breaker, which a later success closes).
+func warmUp(t *testing.T, f func() error) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		err := f()
+		if err == nil {
+			return
+		}
+		require.True(t, time.Now().Before(deadline), "Redis never answered within the timeout: %v", err)
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// maxSent is how many calls at most reach a stopped server within d of
+// the first one, with the default timeout and probe backoff: the first
+// call, failing after the timeout, then one probe after each backoff
+// (DefaultProbeMin, doubling up to DefaultProbeMax), each failing after at
+// least the timeout too (a probe may be given longer, which only spaces
+// them further; so does a busy machine).
+func maxSent(d time.Duration) int {
+	n, at, backoff := 1, throttle.DefaultTimeout, throttle.DefaultProbeMin
+	for at+backoff < d {
+		n++
+		at += backoff + throttle.DefaultTimeout
+		backoff = min(2*backoff, throttle.DefaultProbeMax)
+	}
+	return n
+}
+
 // TestPausedRedis: with the server stopped (SIGSTOP), a call gives up at its
 // timeout with ErrUnavailable, the breaker opens and later calls fail at
-// once; after SIGCONT a probe restores shared limiting within a second.
+// once, one probe at a time reaching the server; after SIGCONT the next
+// probe (due within DefaultProbeMax) restores shared limiting.
 func TestPausedRedis(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Start(t)
@@ -50,40 +129,36 @@ func TestPausedRedis(t *testing.T) {
 	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithObserver(log))
 	require.NoError(t, err)
 	ctx := context.Background()
-	_, err = eng.Allow(ctx, "k", tenPerSecond)
-	require.NoError(t, err)
+	warmUp(t, func() error { _, err := eng.Allow(ctx, "k", tenPerSecond); return err })
+	before := len(log.get()) // the warm-up may have opened and closed the breaker
 
 	require.NoError(t, syscall.Kill(srv.Pid(), syscall.SIGSTOP))
-	var slowest time.Duration
-	deadline := time.Now().Add(time.Second)
-	calls := 0
+	var durations []time.Duration
+	sent := 0 // calls that reached the stopped server: the first, then probes
+	deadline := time.Now().Add(outage)
 	for time.Now().Before(deadline) {
 		start := time.Now()
 		_, err := eng.Allow(ctx, "k", tenPerSecond)
-		slowest = max(slowest, time.Since(start))
+		durations = append(durations, time.Since(start))
 		require.ErrorIs(t, err, throttle.ErrUnavailable)
-		calls++
+		if errors.Is(err, throttle.ErrReplyLost) {
+			sent++
+		}
 		time.Sleep(time.Millisecond)
 	}
-	t.Logf("%d calls while paused, slowest %v", calls, slowest)
-	require.Less(t, slowest, throttle.DefaultTimeout+20*time.Millisecond, "no call waits past its timeout")
-	require.Greater(t, calls, 100, "the breaker makes most calls fail at once")
-	open, _ := eng.Unavailable()
+	failFast(t, durations)
+	// The breaker lets one probe at a time through, once its backoff has
+	// passed: a busy machine only spaces them further apart.
+	t.Logf("%d of %d calls reached the stopped server", sent, len(durations))
+	require.Positive(t, sent)
+	require.LessOrEqual(t, sent, maxSent(outage), "calls reaching the stopped server: the breaker must hold the others back")
+	open, probeIn := eng.Unavailable()
 	require.True(t, open)
+	require.LessOrEqual(t, probeIn, throttle.DefaultProbeMax, "next probe due within the backoff's cap")
 
 	require.NoError(t, syscall.Kill(srv.Pid(), syscall.SIGCONT))
-	resumed := time.Now()
-	for {
-		_, err := eng.Allow(ctx, "k", tenPerSecond)
-		if err == nil {
-			break
-		}
-		require.ErrorIs(t, err, throttle.ErrUnavailable)
-		require.Less(t, time.Since(resumed), time.Second, "shared limiting back within 1 s")
-		time.Sleep(time.Millisecond)
-	}
-	t.Logf("back after %v", time.Since(resumed))
-	require.Equal(t, []bool{true, false}, log.get(), "breaker opened once and closed once")
+	t.Logf("back after %v", backWithin(t, eng, probeIn+2*time.Second))
+	require.Equal(t, []bool{true, false}, log.get()[before:], "breaker opened once and closed once")
 }
 
 // TestKilledRedisRestarted: calls fail fast while the server is gone, and
@@ -96,30 +171,30 @@ func TestKilledRedisRestarted(t *testing.T) {
 	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)))
 	require.NoError(t, err)
 	ctx := context.Background()
-	require.NoError(t, eng.Load(ctx))
-	_, err = eng.Allow(ctx, "k", tenPerSecond)
-	require.NoError(t, err)
+	warmUp(t, func() error { return eng.Load(ctx) })
+	warmUp(t, func() error { _, err := eng.Allow(ctx, "k", tenPerSecond); return err })
 
 	require.NoError(t, syscall.Kill(srv.Pid(), syscall.SIGKILL))
+	var durations []time.Duration
 	for i := 0; i < 50; i++ {
 		start := time.Now()
 		_, err := eng.Allow(ctx, "k", tenPerSecond)
+		durations = append(durations, time.Since(start))
 		require.ErrorIs(t, err, throttle.ErrUnavailable)
-		require.Less(t, time.Since(start), throttle.DefaultTimeout+20*time.Millisecond)
 	}
+	failFast(t, durations)
 	srv.Restart(t)
-	back := time.Now()
-	require.Eventually(t, func() bool {
-		_, err := eng.Allow(ctx, "k", tenPerSecond)
-		if err != nil && !errors.Is(err, throttle.ErrUnavailable) {
-			t.Errorf("after restart: %v", err)
-		}
-		return err == nil
-	}, time.Second, time.Millisecond, "shared limiting back within 1 s")
-	t.Logf("back %v after the restart", time.Since(back))
+	open, probeIn := eng.Unavailable()
+	require.True(t, open)
+	require.LessOrEqual(t, probeIn, throttle.DefaultProbeMax, "next probe due within the backoff's cap")
+	// backWithin fails on any error but ErrUnavailable: NOSCRIPT never
+	// reaches the caller.
+	t.Logf("back %v after the restart", backWithin(t, eng, probeIn+2*time.Second))
 	require.NoError(t, rdb.ScriptFlush(ctx).Err())
-	_, err = eng.Allow(ctx, "k", tenPerSecond)
-	require.NoError(t, err, "SCRIPT FLUSH: the script is sent again")
+	// SCRIPT FLUSH: the script is sent again (a NOSCRIPT error would fail
+	// backWithin; a missed 50ms timeout, which a busy machine may cause,
+	// only delays it).
+	backWithin(t, eng, throttle.DefaultProbeMax+2*time.Second)
 }
 
 // TestScriptErrorIsNotUnavailable: an error reply from Redis is an error,
