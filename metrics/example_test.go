@@ -26,13 +26,14 @@ func Example() {
 	m := metrics.New()
 	reg := prometheus.NewRegistry() // or prometheus.DefaultRegisterer: your choice
 	reg.MustRegister(m)
-	// A second, not the default 50ms: the embedded Redis shares this busy
-	// test process, and an example's output must not depend on its speed.
-	eng, err := throttle.New(rdb, throttle.WithObserver(m), throttle.WithTimeout(time.Second))
+	// Ten seconds, not the default 50ms: the embedded Redis runs its Lua in
+	// this busy test process (under -race, slowly), and an example's output
+	// must not depend on its speed.
+	eng, err := throttle.New(rdb, throttle.WithObserver(m), throttle.WithTimeout(10*time.Second))
 	if err != nil {
 		panic(err)
 	}
-	lim, err := reserve.New(eng, "partner", throttle.PerSecond(10, 1))
+	lim, err := reserve.New(eng, "partner", throttle.PerMinute(10, 1))
 	if err != nil {
 		panic(err)
 	}

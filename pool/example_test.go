@@ -21,9 +21,10 @@ func Example() {
 	defer mr.Close()
 	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr(), ContextTimeoutEnabled: true})
 	defer rdb.Close()
-	// A second, not the default 50ms: the embedded Redis shares this busy
-	// test process, and an example's output must not depend on its speed.
-	eng, err := throttle.New(rdb, throttle.WithTimeout(time.Second))
+	// Ten seconds, not the default 50ms: the embedded Redis runs its Lua in
+	// this busy test process (under -race, slowly), and an example's output
+	// must not depend on its speed.
+	eng, err := throttle.New(rdb, throttle.WithTimeout(10*time.Second))
 	if err != nil {
 		panic(err)
 	}

@@ -266,8 +266,10 @@ func TestMaxWaitRefusalRequeuesDeadlineRefusalEnds(t *testing.T) {
 
 	require.NoError(t, p.Wait(ctx))
 	checkJobs(t, jobs, limit)
+	// Refused for its deadline; on a machine slow enough, its context may
+	// end first while it waits in the backlog. Either way it never ran.
 	err = late.Err()
-	require.ErrorIs(t, err, deadline.ErrWouldExceedDeadline)
+	require.True(t, errors.Is(err, deadline.ErrWouldExceedDeadline) || errors.Is(err, context.DeadlineExceeded), "%v", err)
 	require.False(t, ran)
 	require.True(t, late.Slot().IsZero())
 }

@@ -20,9 +20,10 @@ func exampleEngine() (*throttle.Engine, func()) {
 		panic(err)
 	}
 	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr(), ContextTimeoutEnabled: true})
-	// A second, not the default 50ms: the embedded Redis shares this busy
-	// test process, and an example's output must not depend on its speed.
-	eng, err := throttle.New(rdb, throttle.WithTimeout(time.Second))
+	// Ten seconds, not the default 50ms: the embedded Redis runs its Lua in
+	// this busy test process (under -race, slowly), and an example's output
+	// must not depend on its speed.
+	eng, err := throttle.New(rdb, throttle.WithTimeout(10*time.Second))
 	if err != nil {
 		panic(err)
 	}
@@ -34,7 +35,7 @@ func exampleEngine() (*throttle.Engine, func()) {
 func ExampleLimiter_Reserve() {
 	eng, done := exampleEngine()
 	defer done()
-	lim, err := reserve.New(eng, "reports", throttle.PerSecond(2, 0))
+	lim, err := reserve.New(eng, "reports", throttle.PerMinute(2, 0))
 	if err != nil {
 		panic(err)
 	}
@@ -48,18 +49,18 @@ func ExampleLimiter_Reserve() {
 	}
 	first, second := book(), book()
 	fmt.Println(first.OK(), first.Booking().Wait)
-	fmt.Println(second.OK(), second.Booking().Wait.Round(100*time.Millisecond))
+	fmt.Println(second.OK(), second.Booking().Wait.Round(time.Second))
 	// Not needed after all: give it back (it is the latest booking, so all
 	// of it comes back), and the next caller gets its slot.
 	if err := second.Cancel(ctx); err != nil {
 		panic(err)
 	}
 	third := book()
-	fmt.Println(third.Booking().Wait.Round(100 * time.Millisecond))
+	fmt.Println(third.Booking().Wait.Round(time.Second))
 	// Output:
 	// true 0s
-	// true 500ms
-	// 500ms
+	// true 30s
+	// 30s
 }
 
 // Acquire sleeps until the slot, or refuses at once when the slot would

@@ -2,6 +2,7 @@ package reserve_test
 
 import (
 	"context"
+	"errors"
 	"net"
 	"slices"
 	"sync"
@@ -17,17 +18,15 @@ import (
 	"github.com/slotbook/slotbook/throttle"
 )
 
-// outage starts a server of the test's own, returns an engine on it, and a
-// function that kills the server. The engine's timeout is generous, so that
-// no call before the kill misses it on a busy machine; once the server is
-// killed calls fail at once (the connection refused, the breaker open)
-// whatever the timeout.
+// outage starts a server of the test's own, returns an engine on it (with
+// the default 50ms timeout, which these tests are about), and a function
+// that kills the server.
 func outage(t *testing.T) (*throttle.Engine, *redistest.Server, func()) {
 	t.Helper()
 	srv := redistest.Start(t)
-	eng, err := throttle.New(srv.Client(t), throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(5*time.Second))
+	eng, err := throttle.New(srv.Client(t), throttle.WithPrefix(redistest.Prefix(t)))
 	require.NoError(t, err)
-	require.NoError(t, eng.Load(context.Background()))
+	untilOK(t, func() error { return eng.Load(context.Background()) })
 	return eng, srv, func() {
 		require.NoError(t, syscall.Kill(srv.Pid(), syscall.SIGKILL))
 		// Gone once it refuses connections (its sockets closed with it): no
@@ -40,6 +39,41 @@ func outage(t *testing.T) (*throttle.Engine, *redistest.Server, func()) {
 			return err != nil
 		}, 10*time.Second, time.Millisecond, "the killed server still accepts connections")
 	}
+}
+
+// untilOK retries a setup call until it succeeds: on a busy machine one may
+// miss the default 50ms timeout.
+func untilOK(t *testing.T, f func() error) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		err := f()
+		if err == nil {
+			return
+		}
+		require.True(t, time.Now().Before(deadline), "Redis never answered within the timeout: %v", err)
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// bookedByRedis reserves for key until Redis itself answers (a call that
+// missed the timeout is answered by the fallback, or fails): the setup of a
+// test that needs a working Redis first. A fallback's booking is given
+// back.
+func bookedByRedis(t *testing.T, l *reserve.Limiter) {
+	t.Helper()
+	ctx := context.Background()
+	untilOK(t, func() error {
+		r, err := l.Reserve(ctx, "k")
+		switch {
+		case err != nil:
+			return err
+		case r.Fallback():
+			_ = r.Cancel(ctx)
+			return errors.New("answered by the fallback")
+		}
+		return nil
+	})
 }
 
 func TestFallbackPolicies(t *testing.T) {
@@ -62,7 +96,7 @@ func TestFallbackPolicies(t *testing.T) {
 			l, err := reserve.New(eng, "api", limit, tc.opts...)
 			require.NoError(t, err)
 			ctx := context.Background()
-			require.NoError(t, l.Acquire(ctx, "k"))
+			bookedByRedis(t, l)
 			kill()
 			killed := time.Now()
 			var durations []time.Duration
@@ -111,11 +145,11 @@ func TestFallbackPolicies(t *testing.T) {
 
 // answeredAtOnce checks the durations of calls made while Redis was down,
 // without a wall-clock bound a busy machine cannot keep: none waited
-// anywhere near what a call without the engine's timeout could (go-redis's
-// own timeouts, seconds; a tenth of that is far below them), and most
-// (more than half) took well under the timeout: answered at once (by the
-// open breaker, or the kernel refusing the connection), not after waiting
-// for Redis.
+// anywhere near what a call without the engine's timeout could (go-redis
+// dials a refused address five times, 100ms apart, and reads for 3 s;
+// half a second is far below that, and ten times the timeout), and most
+// (more than half) took well under the timeout: answered at once by the
+// open breaker, not after trying Redis.
 func answeredAtOnce(t *testing.T, durations []time.Duration) {
 	t.Helper()
 	fast := 0
@@ -142,21 +176,23 @@ func TestLocalShare(t *testing.T) {
 	l, err := reserve.New(eng, "api", limit, reserve.WithFallback(reserve.LocalShare(time.Second, 1, 100)))
 	require.NoError(t, err)
 	ctx := context.Background()
-	// Another process of the same limiter, heartbeating.
-	_, err = eng.Heartbeat(ctx, "api", "other-process", time.Minute)
-	require.NoError(t, err)
-	// This one's heartbeat goes after a call that reached Redis, on a
-	// goroutine of its own: wait until it has landed (2 processes in the
-	// set, on this test's own server), and a little more for that
-	// goroutine to take the count in as its reply arrives.
-	require.NoError(t, l.Acquire(ctx, "k"))
+	// Another process of the same limiter heartbeats, and so does this one,
+	// after a call Redis answered, on a goroutine of its own (once a second
+	// at most, and a heartbeat may miss the timeout too): call until both
+	// are in the set (on this test's own server), then wait a little more
+	// for that goroutine to take the count in as its reply arrives.
 	rdb := srv.Client(t)
-	require.Eventually(t, func() bool {
+	untilOK(t, func() error {
+		_, _ = eng.Heartbeat(ctx, "api", "other-process", time.Minute)
+		bookedByRedis(t, l)
 		keys := rdb.Keys(ctx, "*instances:api").Val()
-		return len(keys) == 1 && rdb.ZCard(ctx, keys[0]).Val() == 2
-	}, 5*time.Second, time.Millisecond, "this process's heartbeat")
+		if len(keys) != 1 || rdb.ZCard(ctx, keys[0]).Val() != 2 {
+			time.Sleep(10 * time.Millisecond)
+			return errors.New("no heartbeat of this process yet")
+		}
+		return nil
+	})
 	time.Sleep(60 * time.Millisecond)
-	require.NoError(t, l.Acquire(ctx, "k"))
 
 	kill()
 	// Four callers keep asking for a second; a probe of Redis holds one of

@@ -94,6 +94,7 @@ func main() {
 func run(ctx context.Context, args []string, out io.Writer) error {
 	fs := flag.NewFlagSet("http-client", flag.ContinueOnError)
 	url := fs.String("redis", "", "Redis URL; empty: an embedded Redis")
+	timeout := fs.Duration("timeout", throttle.DefaultTimeout, "bound on each Redis call")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -112,7 +113,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	opts.ContextTimeoutEnabled = true // so that slotbook's tight timeouts hold
 	rdb := redis.NewClient(opts)
 	defer rdb.Close()
-	eng, err := throttle.New(rdb)
+	eng, err := throttle.New(rdb, throttle.WithTimeout(*timeout))
 	if err != nil {
 		return err
 	}

@@ -36,6 +36,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	fs := flag.NewFlagSet("worker-loop", flag.ContinueOnError)
 	url := fs.String("redis", "", "Redis URL; empty: an embedded Redis")
 	n := fs.Int("n", 12, "units of work to do")
+	timeout := fs.Duration("timeout", throttle.DefaultTimeout, "bound on each Redis call")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -55,7 +56,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	rdb := redis.NewClient(opts)
 	defer rdb.Close()
 
-	eng, err := throttle.New(rdb)
+	eng, err := throttle.New(rdb, throttle.WithTimeout(*timeout))
 	if err != nil {
 		return err
 	}
