@@ -224,10 +224,18 @@ func TestWaitsThenRuns(t *testing.T) {
 	require.GreaterOrEqual(t, ran.Sub(start), 100*time.Millisecond-time.Microsecond, "waited for the slot")
 
 	// Cancelled while waiting: the context's error, and the task never runs.
+	// A limit of one a minute: the slot is a minute away however slow the
+	// machine, so the cancel always comes first.
+	slow := e.limiter(t, throttle.PerMinute(1, 0), reserve.WithMaxWait(2*time.Minute))
+	fill(t, context.Background(), slow, "s", 1)
+	h = asynqadapter.Middleware(slow)(asynq.HandlerFunc(func(context.Context, *asynq.Task) error {
+		ran = time.Now()
+		return errors.New("task's own error")
+	}))
 	ran = time.Time{}
 	ctx, cancel := context.WithCancel(context.Background())
 	time.AfterFunc(20*time.Millisecond, cancel)
-	err = h.ProcessTask(ctx, asynq.NewTask("k", nil))
+	err = h.ProcessTask(ctx, asynq.NewTask("s", nil))
 	require.ErrorIs(t, err, context.Canceled)
 	require.True(t, ran.IsZero())
 }
@@ -473,5 +481,7 @@ func TestSpreadReducesCollisions(t *testing.T) {
 		attempts[spread] = n
 	}
 	t.Logf("attempts for 30 tasks: %d without spreading, %d with", attempts[false], attempts[true])
-	require.Greater(t, attempts[false], 3*attempts[true], "spreading should cut repeated refusals")
+	// Quiet, the ratio is about 6; two suites at once on 2 cores brought it
+	// to 2.8. Without spreading's effect it would be about 1.
+	require.Greater(t, attempts[false], 2*attempts[true], "spreading should cut repeated refusals")
 }
