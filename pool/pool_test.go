@@ -221,8 +221,8 @@ func TestCloseRefundsAndEnds(t *testing.T) {
 	p, err := pool.New(proc.lim, pool.WithWorkers(4))
 	require.NoError(t, err)
 	ctx := context.Background()
-	release := make(chan struct{})
-	running, err := p.Submit(ctx, "k", func(context.Context) error { <-release; return nil })
+	release, started := make(chan struct{}), make(chan struct{})
+	running, err := p.Submit(ctx, "k", func(context.Context) error { close(started); <-release; return nil })
 	require.NoError(t, err)
 	var rest []*pool.Job
 	for i := 0; i < 10; i++ {
@@ -230,7 +230,8 @@ func TestCloseRefundsAndEnds(t *testing.T) {
 		require.NoError(t, err)
 		rest = append(rest, j)
 	}
-	time.Sleep(50 * time.Millisecond) // the first runs, three more are booked
+	<-started                         // the first runs (its slot is now)
+	time.Sleep(50 * time.Millisecond) // three more are booked, or about to be
 	closed := make(chan error)
 	go func() { closed <- p.Close(ctx) }()
 	for _, j := range rest {
