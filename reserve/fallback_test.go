@@ -26,7 +26,7 @@ func outage(t *testing.T) (*throttle.Engine, *redistest.Server, func()) {
 	srv := redistest.Start(t)
 	eng, err := throttle.New(srv.Client(t), throttle.WithPrefix(redistest.Prefix(t)))
 	require.NoError(t, err)
-	untilOK(t, func() error { return eng.Load(context.Background()) })
+	redistest.UntilOK(t, func() error { return eng.Load(context.Background()) })
 	return eng, srv, func() {
 		require.NoError(t, syscall.Kill(srv.Pid(), syscall.SIGKILL))
 		// Gone once it refuses connections (its sockets closed with it): no
@@ -41,21 +41,6 @@ func outage(t *testing.T) (*throttle.Engine, *redistest.Server, func()) {
 	}
 }
 
-// untilOK retries a setup call until it succeeds: on a busy machine one may
-// miss the default 50ms timeout.
-func untilOK(t *testing.T, f func() error) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		err := f()
-		if err == nil {
-			return
-		}
-		require.True(t, time.Now().Before(deadline), "Redis never answered within the timeout: %v", err)
-		time.Sleep(time.Millisecond)
-	}
-}
-
 // bookedByRedis reserves for key until Redis itself answers (a call that
 // missed the timeout is answered by the fallback, or fails): the setup of a
 // test that needs a working Redis first. A fallback's booking is given
@@ -63,7 +48,7 @@ func untilOK(t *testing.T, f func() error) {
 func bookedByRedis(t *testing.T, l *reserve.Limiter) {
 	t.Helper()
 	ctx := context.Background()
-	untilOK(t, func() error {
+	redistest.UntilOK(t, func() error {
 		r, err := l.Reserve(ctx, "k")
 		switch {
 		case err != nil:
@@ -182,7 +167,7 @@ func TestLocalShare(t *testing.T) {
 	// are in the set (on this test's own server), then wait a little more
 	// for that goroutine to take the count in as its reply arrives.
 	rdb := srv.Client(t)
-	untilOK(t, func() error {
+	redistest.UntilOK(t, func() error {
 		_, _ = eng.Heartbeat(ctx, "api", "other-process", time.Minute)
 		bookedByRedis(t, l)
 		keys := rdb.Keys(ctx, "*instances:api").Val()

@@ -57,15 +57,6 @@ func (b *breaker) allow() (ok, probe bool) {
 	return true, true
 }
 
-// blocked reports whether a call would be refused now: the breaker is
-// open, and a probe is under way or not yet due. Unlike allow, it takes
-// nothing.
-func (b *breaker) blocked() bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.open && (b.probing || time.Now().Before(b.next))
-}
-
 // state reports whether the breaker is open and how long until the next
 // probe may go.
 func (b *breaker) state() (open bool, probeIn time.Duration) {

@@ -85,22 +85,6 @@ func backWithin(t *testing.T, eng *throttle.Engine, d time.Duration) time.Durati
 	}
 }
 
-// warmUp retries f until it succeeds: a setup call must reach a working
-// Redis, and on a busy machine one may miss the default 50ms timeout that
-// these tests keep (opening the breaker, which a later success closes).
-func warmUp(t *testing.T, f func() error) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		err := f()
-		if err == nil {
-			return
-		}
-		require.True(t, time.Now().Before(deadline), "Redis never answered within the timeout: %v", err)
-		time.Sleep(time.Millisecond)
-	}
-}
-
 // maxSent is how many calls at most reach a stopped server within d of
 // the first one, with the default timeout and probe backoff: the first
 // call, failing after the timeout, then one probe after each backoff
@@ -129,7 +113,7 @@ func TestPausedRedis(t *testing.T) {
 	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithObserver(log))
 	require.NoError(t, err)
 	ctx := context.Background()
-	warmUp(t, func() error { _, err := eng.Allow(ctx, "k", tenPerSecond); return err })
+	redistest.UntilOK(t, func() error { _, err := eng.Allow(ctx, "k", tenPerSecond); return err })
 	before := len(log.get()) // the warm-up may have opened and closed the breaker
 
 	require.NoError(t, syscall.Kill(srv.Pid(), syscall.SIGSTOP))
@@ -171,8 +155,8 @@ func TestKilledRedisRestarted(t *testing.T) {
 	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)))
 	require.NoError(t, err)
 	ctx := context.Background()
-	warmUp(t, func() error { return eng.Load(ctx) })
-	warmUp(t, func() error { _, err := eng.Allow(ctx, "k", tenPerSecond); return err })
+	redistest.UntilOK(t, func() error { return eng.Load(ctx) })
+	redistest.UntilOK(t, func() error { _, err := eng.Allow(ctx, "k", tenPerSecond); return err })
 
 	require.NoError(t, syscall.Kill(srv.Pid(), syscall.SIGKILL))
 	var durations []time.Duration

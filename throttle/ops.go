@@ -295,22 +295,20 @@ func (e *Engine) run(ctx context.Context, s *script, keys []string, args []any, 
 // runReply runs s on the prefixed keys through the breaker, within the
 // timeout, and classifies its error (see classify).
 func (e *Engine) runReply(ctx context.Context, s *script, keys []string, args []any) (any, error) {
+	ok, probe := e.breaker.allow() // before the gate: fail fast without queueing
+	if !ok {
+		return nil, errBreakerOpen
+	}
 	if e.gate != nil {
-		// Fail fast while the breaker is open, without queueing for a
-		// connection; allow below takes the probe slot only past the gate.
-		if e.breaker.blocked() {
-			return nil, errBreakerOpen
-		}
 		select {
 		case e.gate <- struct{}{}:
 		case <-ctx.Done():
+			if probe {
+				e.breaker.abandon()
+			}
 			return nil, ctx.Err()
 		}
 		defer func() { <-e.gate }()
-	}
-	ok, probe := e.breaker.allow()
-	if !ok {
-		return nil, errBreakerOpen
 	}
 	full := make([]string, len(keys))
 	for i, k := range keys {

@@ -360,3 +360,22 @@ func Launch() (*Server, error) {
 	}
 	return startReal(path, 0)
 }
+
+// UntilOK retries f until it returns nil, for at most 10 s: a test's setup
+// call must reach a working Redis, and on a busy machine one may miss a
+// tight timeout (opening the engine's breaker, which a later success
+// closes). It fails tb with f's last error.
+func UntilOK(tb testing.TB, f func() error) {
+	tb.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		err := f()
+		if err == nil {
+			return
+		}
+		if !time.Now().Before(deadline) {
+			tb.Fatalf("Redis never answered within the timeout: %v", err)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
