@@ -216,7 +216,7 @@ func TestCancelMidBacklogRefunds(t *testing.T) {
 func TestCloseRefundsAndEnds(t *testing.T) {
 	t.Parallel()
 	prefix := redistest.Prefix(t)
-	limit := throttle.PerSecond(10, 0)
+	limit := throttle.Every(time.Second, 1, 0) // slots a second apart: Close comes long before the second, even on a busy machine
 	proc := newProcess(t, prefix, limit)
 	p, err := pool.New(proc.lim, pool.WithWorkers(4))
 	require.NoError(t, err)
@@ -254,7 +254,7 @@ func TestCloseRefundsAndEnds(t *testing.T) {
 
 	b, err := proc.eng.Book(ctx, "api:{k}", limit, throttle.Request{N: 1, MaxWait: throttle.Forever})
 	require.NoError(t, err)
-	require.Less(t, b.Wait, 100*time.Millisecond, "the three booked slots were given back")
+	require.Less(t, b.Wait, 2*time.Second, "the three booked slots were given back (else the next is 3 s away)")
 }
 
 // TestAcquireBoundsConcurrencyAndRate: a worker loop of the caller's own

@@ -374,7 +374,7 @@ func measureContention(ctx context.Context, ropts *redis.Options, run string, d 
 	for _, mode := range contention.Modes {
 		rdb := redis.NewClient(ropts)
 		calls := callcount.Attach(rdb)
-		eng, err := throttle.New(rdb, throttle.WithPrefix("slotbench:"+run+":"), throttle.WithTimeout(time.Second))
+		eng, err := throttle.New(rdb, throttle.WithPrefix("slotbench:"+run+":"), throttle.WithTimeout(5*time.Second))
 		if err == nil {
 			err = eng.Load(ctx)
 		}
