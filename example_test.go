@@ -13,9 +13,11 @@ import (
 	"github.com/slotbook/slotbook/throttle"
 )
 
-// Ten calls a second with a burst of 5, shared by every process that uses
-// the name "stripe": the first six go at once, the seventh is booked 100ms
-// out, and a caller that will not wait that long is refused at once.
+// Ten calls a minute with a burst of 5, shared by every process that uses
+// the name "stripe": the first six go at once, the seventh is booked six
+// seconds out, and a caller that will not wait that long is refused at
+// once. (A minute, not a second, so that a busy machine running the example
+// cannot change its output.)
 func Example() {
 	mr, err := miniredis.Run() // any Redis; an embedded one keeps the example self-contained
 	if err != nil {
@@ -32,12 +34,12 @@ func Example() {
 	if err != nil {
 		panic(err)
 	}
-	lim, err := reserve.New(eng, "stripe", throttle.PerSecond(10, 5))
+	lim, err := reserve.New(eng, "stripe", throttle.PerMinute(10, 5))
 	if err != nil {
 		panic(err)
 	}
 	ctx := context.Background()
-	for i := 0; i < 6; i++ {
+	for i := 0; i < 6; i++ { // the burst: no wait
 		if err := lim.Acquire(ctx, "tenant-42"); err != nil {
 			panic(err)
 		}
@@ -47,13 +49,13 @@ func Example() {
 		panic(err)
 	}
 	d := r.Delay()
-	fmt.Println("7th booked:", r.OK(), "to wait up to 100ms:", d > 0 && d <= 100*time.Millisecond)
+	fmt.Println("7th booked:", r.OK(), "to wait up to 6s:", d > 0 && d <= 6*time.Second)
 
-	hurried, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	hurried, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
 	err = lim.Acquire(hurried, "tenant-42")
-	fmt.Println("8th within 50ms:", errors.Is(err, reserve.ErrWouldExceedDeadline))
+	fmt.Println("8th within 3s:", errors.Is(err, reserve.ErrWouldExceedDeadline))
 	// Output:
-	// 7th booked: true to wait up to 100ms: true
-	// 8th within 50ms: true
+	// 7th booked: true to wait up to 6s: true
+	// 8th within 3s: true
 }

@@ -76,7 +76,7 @@ func ExampleLimiter_Acquire() {
 	fmt.Println(lim.Acquire(ctx, "eu"))
 	err = lim.Acquire(ctx, "eu") // the next slot is a second away
 	retry, _ := deadline.RetryAfterOf(err)
-	fmt.Println(errors.Is(err, reserve.ErrMaxWaitExceeded), retry.Round(100*time.Millisecond))
+	fmt.Println(errors.Is(err, reserve.ErrMaxWaitExceeded), retry.Round(time.Second))
 	// Output:
 	// <nil>
 	// true 1s
