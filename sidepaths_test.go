@@ -501,7 +501,7 @@ func TestSidePathAbsurdStoredValue(t *testing.T) {
 			key := "api:{" + subject + "}" // the engine's key, before the prefix
 			if c.layered {
 				lim = layered
-				key += ":" + perDay.Period.String()
+				key += ":86400000ms" // wire protocol 2: the period in milliseconds
 			}
 			full := s.prefix + key
 			require.NoError(t, s.rdb.Set(ctx, full, c.value, 0).Err())

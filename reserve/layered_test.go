@@ -48,7 +48,8 @@ func TestLayeredLimiter(t *testing.T) {
 	keys, err := e.rdb.Keys(ctx, e.prefix+"*").Result()
 	require.NoError(t, err)
 	slices.Sort(keys)
-	require.Equal(t, []string{e.prefix + "api:{s}", e.prefix + "api:{s}:1m0s"}, keys)
+	// Wire protocol 2: the second limit's key ends in its period in ms.
+	require.Equal(t, []string{e.prefix + "api:{s}", e.prefix + "api:{s}:60000ms"}, keys)
 
 	// A refusal books nothing in either; a cancel gives back to both.
 	capped, err := l.With(reserve.WithMaxWait(time.Second))
@@ -80,9 +81,12 @@ func TestLayeredBadOptions(t *testing.T) {
 		_, err := reserve.New(e.eng, "api", throttle.PerSecond(10, 0), opt)
 		require.Error(t, err, name)
 	}
+	// A further limit's key is named after its period in whole milliseconds.
+	_, err := reserve.New(e.eng, "api", throttle.PerSecond(10, 0), reserve.WithLimit(throttle.Every(1500*time.Microsecond, 1, 0)))
+	require.ErrorIs(t, err, throttle.ErrInvalidLimit, "a period of 1.5ms")
 	l := layered(t, e.eng)
 	before := e.calls.Load()
-	_, err := l.ReserveN(context.Background(), "s", 4) // within 10/s burst 2? no: n > 3
+	_, err = l.ReserveN(context.Background(), "s", 4) // within 10/s burst 2? no: n > 3
 	require.ErrorIs(t, err, throttle.ErrExceedsBurst)
 	require.Equal(t, before, e.calls.Load())
 }
@@ -126,7 +130,7 @@ func TestCluster(t *testing.T) {
 		subject := "tenant-" + strconv.Itoa(i)
 		require.Equal(t, layeredWaits, bookWaits(t, l, ctx, subject, len(layeredWaits)), subject)
 		var owners []string
-		for _, k := range []string{"api:{" + subject + "}", "api:{" + subject + "}:1m0s"} {
+		for _, k := range []string{"api:{" + subject + "}", "api:{" + subject + "}:60000ms"} {
 			node, err := cc.MasterForKey(ctx, prefix+k)
 			require.NoError(t, err)
 			owners = append(owners, node.Options().Addr)

@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -74,13 +75,20 @@ func WithMaxWait(d time.Duration) Option {
 // together in the same Redis call: 10 a second and 10,000 a day, say. A
 // request's slot is the earliest time every limit allows it; a refusal
 // books nothing in any of them; a refund gives back to each. Each limit
-// needs a period of its own. The first limit's key is "name:{subject}", the
-// others' "name:{subject}:period": one hash tag, so one Redis Cluster node.
+// needs a period of its own, a whole number of milliseconds (the error
+// matches throttle.ErrInvalidLimit otherwise). The first limit's key is
+// "name:{subject}", the others' "name:{subject}:<period in ms>ms" (a day:
+// ":86400000ms", wire protocol 2, docs/PROTOCOL.md): one hash tag, so one
+// Redis Cluster node.
 func WithLimit(limits ...throttle.Limit) Option {
 	return func(l *Limiter) error {
 		for _, lim := range limits {
 			if err := lim.Validate(); err != nil {
 				return err
+			}
+			if lim.Period%time.Millisecond != 0 {
+				return fmt.Errorf("reserve: the period %v of a further limit is not a whole number of milliseconds, "+
+					"which its key is named after: %w", lim.Period, throttle.ErrInvalidLimit)
 			}
 			for _, have := range l.limits {
 				if have.Period == lim.Period {
@@ -210,12 +218,14 @@ func (l *Limiter) engineKey(key string) (string, error) {
 	return k, nil
 }
 
-// keysOf returns the engine keys of every limit, given the first's.
+// keysOf returns the engine keys of every limit, given the first's: the
+// others end in their period in whole milliseconds, ":86400000ms" for a
+// day (wire protocol 2; protocol 1 used Go's Duration.String, ":24h0m0s").
 func (l *Limiter) keysOf(first string) []string {
 	keys := make([]string, len(l.limits))
 	keys[0] = first
 	for i, lim := range l.limits[1:] {
-		keys[i+1] = first + ":" + lim.Period.String()
+		keys[i+1] = first + ":" + strconv.FormatInt(lim.Period.Milliseconds(), 10) + "ms"
 	}
 	return keys
 }
@@ -341,7 +351,9 @@ func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequ
 // with giveBackLate once every call has its answer (so that the refunds'
 // round trip does not hold back the calls that were booked).
 func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []throttle.Booking) {
-	now := l.clock.Now()
+	// The local time is read only for a caller with a deadline, whose
+	// budget counts from it (a clock read costs on the hot path).
+	var now time.Time
 	type sent struct {
 		c      *call
 		budget time.Duration
@@ -352,6 +364,9 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 		out  []sent
 	)
 	for _, c := range calls {
+		if _, ok := c.ctx.Deadline(); ok && now.IsZero() {
+			now = l.clock.Now()
+		}
 		budget, bound := deadline.Budget(c.ctx, now, l.maxWait, l.work)
 		if budget < 0 {
 			c.res = &Reservation{lim: l, key: key, err: deadline.Refuse(bound, budget, 0)}
