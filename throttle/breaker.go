@@ -14,9 +14,11 @@ import (
 )
 
 // ErrUnavailable is matched by errors for calls that did not reach a
-// working Redis: a timeout, a refused or broken connection, a server still
-// loading, or the breaker open after such a failure. A fallback policy
-// (package reserve) may answer instead.
+// working Redis: a timeout, a refused or broken connection, a server that
+// cannot serve (loading, out of memory, a read-only replica...), no
+// connection free in the client's own pool, or the node's breaker open
+// after such a failure. A fallback policy (package reserve) may answer
+// instead. The package doc has the full table.
 var ErrUnavailable = errors.New("throttle: Redis unavailable")
 
 // Defaults for the breaker's probe interval, which doubles after each failed
@@ -26,27 +28,55 @@ const (
 	DefaultProbeMax = 400 * time.Millisecond
 )
 
-// breaker stops calls from paying the timeout while Redis is down: after a
-// failure it is open, and calls fail at once with ErrUnavailable, except one
-// probe at a time, let through once the backoff has passed. The first
-// success closes it.
-type breaker struct {
+// breakers stop calls from paying the timeout while Redis is down, one
+// breaker per Redis node (the failure domain): the client's address for a
+// plain client, the master that owns the key's slot for a Cluster. After a
+// failure a node's breaker is open, and calls to that node fail at once
+// with ErrUnavailable, except one probe at a time, let through once the
+// backoff has passed; the first success closes it. Calls to other nodes
+// are not affected.
+//
+// Changes are told to the observer under the lock, so an observer sees
+// each node's openings and closings in the order they happened.
+type breakers struct {
 	min, max time.Duration
-	notify   func(open bool)
+	obs      Observer
+	nodeObs  NodeObserver // obs, if it is one; else nil
 
-	mu          sync.Mutex // guards the fields below
+	mu    sync.Mutex          // guards nodes and nOpen; held while the observer is told of a change
+	nodes map[string]*breaker // by node address; entries are never removed (one per node ever called)
+	nOpen int                 // breakers open
+}
+
+// breaker is one node's state, guarded by breakers.mu.
+type breaker struct {
 	open        bool
 	probing     bool
 	next        time.Time
 	backoff     time.Duration
-	lastSuccess time.Time // when the last call succeeded
+	lastSuccess time.Time // when the last call to the node succeeded
 }
 
-// allow reports whether a call may go to Redis now, and whether it goes as
+func newBreakers() *breakers {
+	return &breakers{min: DefaultProbeMin, max: DefaultProbeMax, obs: nopObserver{}, nodes: make(map[string]*breaker)}
+}
+
+// get returns node's breaker, creating it closed. Call with bs.mu held.
+func (bs *breakers) get(node string) *breaker {
+	b, ok := bs.nodes[node]
+	if !ok {
+		b = &breaker{}
+		bs.nodes[node] = b
+	}
+	return b
+}
+
+// allow reports whether a call may go to node now, and whether it goes as
 // the probe of an open breaker.
-func (b *breaker) allow() (ok, probe bool) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
+func (bs *breakers) allow(node string) (ok, probe bool) {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	b := bs.get(node)
 	if !b.open {
 		return true, false
 	}
@@ -57,61 +87,104 @@ func (b *breaker) allow() (ok, probe bool) {
 	return true, true
 }
 
-// state reports whether the breaker is open and how long until the next
-// probe may go.
-func (b *breaker) state() (open bool, probeIn time.Duration) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if !b.open {
+// state reports whether any node's breaker is open and, if so, how long
+// until the soonest next probe of one.
+func (bs *breakers) state() (open bool, probeIn time.Duration) {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	for _, b := range bs.nodes {
+		if b.open {
+			in := max(0, time.Until(b.next))
+			if !open || in < probeIn {
+				probeIn = in
+			}
+			open = true
+		}
+	}
+	return open, probeIn
+}
+
+// stateOf reports whether node's breaker is open and how long until its
+// next probe may go.
+func (bs *breakers) stateOf(node string) (open bool, probeIn time.Duration) {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	b, ok := bs.nodes[node]
+	if !ok || !b.open {
 		return false, 0
 	}
 	return true, max(0, time.Until(b.next))
 }
 
-// failure records a call, sent at start, that failed as if Redis were
-// unavailable. If another call has succeeded since start, Redis was up
-// while this one waited: the failure is this client's own (a starved
-// goroutine, a lost packet), not Redis's, and the breaker stays closed, so
-// a busy client never fails every caller at once (or hands them all to
-// the fallback).
-func (b *breaker) failure(start time.Time) {
-	b.mu.Lock()
+// failure records a call to node, sent at start, that failed as if Redis
+// were unavailable. If another call to node has succeeded since start, the
+// node was up while this one waited: the failure is this client's own (a
+// starved goroutine, a lost packet), not Redis's, and the breaker stays
+// closed, so a busy client never fails every caller at once (or hands them
+// all to the fallback).
+func (bs *breakers) failure(node string, start time.Time) {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	b := bs.get(node)
 	if !b.open && b.lastSuccess.After(start) {
-		b.mu.Unlock()
 		return
 	}
 	opened := !b.open
 	if opened {
 		b.open = true
-		b.backoff = b.min
+		b.backoff = bs.min
 	} else if b.probing {
-		b.backoff = min(2*b.backoff, b.max)
+		b.backoff = min(2*b.backoff, bs.max)
 	}
 	b.probing = false
 	b.next = time.Now().Add(b.backoff)
-	b.mu.Unlock()
 	if opened {
-		b.notify(true)
+		bs.changed(node, true)
 	}
 }
 
-func (b *breaker) success() {
-	b.mu.Lock()
+// success records a call to node that Redis answered.
+func (bs *breakers) success(node string) {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	b := bs.get(node)
 	closed := b.open
 	b.open, b.probing = false, false
 	b.lastSuccess = time.Now()
-	b.mu.Unlock()
 	if closed {
-		b.notify(false)
+		bs.changed(node, false)
 	}
 }
 
-// abandon releases a probe that ended without a verdict (the caller's
-// context ended).
-func (b *breaker) abandon() {
-	b.mu.Lock()
-	b.probing = false
-	b.mu.Unlock()
+// abandon releases node's probe if the call was one and ended without a
+// verdict (the caller's context ended, or the client had no connection to
+// send it on).
+func (bs *breakers) abandon(node string) {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	if b, ok := bs.nodes[node]; ok {
+		b.probing = false
+	}
+}
+
+// changed tells the observer that node's breaker opened or closed, and the
+// engine-wide ObserveBreaker when the first one opens or the last one
+// closes. Call with bs.mu held: the lock orders the notifications.
+func (bs *breakers) changed(node string, open bool) {
+	if bs.nodeObs != nil {
+		bs.nodeObs.ObserveNodeBreaker(node, open)
+	}
+	if open {
+		bs.nOpen++
+		if bs.nOpen == 1 {
+			bs.obs.ObserveBreaker(true)
+		}
+		return
+	}
+	bs.nOpen--
+	if bs.nOpen == 0 {
+		bs.obs.ObserveBreaker(false)
+	}
 }
 
 // ErrReplyLost is matched, together with ErrUnavailable (or the context's
@@ -142,6 +215,14 @@ func notSent(err error) bool {
 	}
 	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, redis.ErrPoolTimeout) ||
 		errors.Is(err, redis.ErrPoolExhausted) || cannotServe(err)
+}
+
+// saturated reports whether err is the client's own pool having no
+// connection for the call in time: the client is busy, which says nothing
+// of Redis, so no breaker opens (a saturated client must never turn the
+// limit off through FailOpen).
+func saturated(err error) bool {
+	return errors.Is(err, redis.ErrPoolTimeout) || errors.Is(err, redis.ErrPoolExhausted)
 }
 
 // unavailable reports whether err means Redis could not be reached or could

@@ -24,21 +24,42 @@
 // microseconds up to 2^53, or further ahead than MaxHorizon plus the
 // limit's burst) is an error matching ErrCorruptState that names the key.
 //
-// Every call has a tight timeout. Errors come in three classes:
+// Every call has a tight timeout. Errors are classed deliberately:
 //
-//	ErrUnavailable alone           nothing reached Redis (dial failed, no pooled
-//	                               connection, breaker open, LOADING/BUSY...):
-//	                               nothing happened; the breaker opens
-//	ErrUnavailable + ErrReplyLost  sent, but the reply never came (timeout,
-//	                               broken connection): the script may have run
-//	anything else                  Redis answered with an error (ErrCorruptState,
-//	                               WRONGTYPE, NOPERM...): returned as is, the
-//	                               breaker stays closed
+//	class                     errors                               caller sees          breaker
+//	unavailable, not sent     dial failed, connection refused;     ErrUnavailable       opens
+//	                          Redis refused to run it: LOADING,
+//	                          MASTERDOWN, BUSY, CLUSTERDOWN,
+//	                          TRYAGAIN, and writes refused: OOM
+//	                          (maxmemory, noeviction), READONLY (a
+//	                          replica after a failover), MISCONF,
+//	                          NOREPLICAS
+//	unavailable, reply lost   timeout after sending (a stopped or  ErrUnavailable +     opens
+//	                          paused server, CLIENT PAUSE), broken ErrReplyLost
+//	                          connection: the script may have run
+//	client saturated          the client's own pool had no         ErrUnavailable       unchanged
+//	                          connection in time (pool timeout)
+//	caller gave up            the caller's context ended           ctx.Err() (+         unchanged
+//	                                                               ErrReplyLost if sent)
+//	configuration or data     NOAUTH, WRONGPASS, NOPERM,           Redis's error as is  stays closed
+//	                          WRONGTYPE, ErrCorruptState, any
+//	                          other error reply
 //
-// While the breaker is open calls fail at once, and one probe at a time
-// checks whether Redis is back; package reserve's fallback policies answer
-// meanwhile. An Observer (package metrics has one) sees every decision and
-// call.
+// A fallback (package reserve) answers only for ErrUnavailable: a wrong
+// password or a missing ACL permission is a mistake to fix, not an outage
+// to ride out, and FailOpen must not hide it. A saturated client is not
+// Redis's fault and never opens the breaker, so that load alone cannot
+// turn the limit over to the fallback. (The calls of a Client, or of a
+// ClusterClient per node, queue for a pooled connection before their
+// timeout starts, so they rarely see it.)
+//
+// The engine keeps one breaker per Redis node, the failure domain: the
+// client's server, or, for a Redis Cluster, the master that owns the key's
+// slot. While a node's breaker is open calls for its subjects fail at once
+// (a fallback answers for them), one probe at a time checks whether it is
+// back, and subjects on other masters are served as usual. An Observer
+// (package metrics has one) sees every decision and call, and every
+// breaker change in the order it happened.
 //
 // Most programs use package reserve on top of this one.
 package throttle

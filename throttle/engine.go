@@ -8,6 +8,7 @@ import (
 	"math"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -79,13 +80,37 @@ type Engine struct {
 	prefix   string
 	timeout  time.Duration
 	observer Observer
-	breaker  *breaker
-	// gate holds one token per connection of the client's pool (nil when
-	// the pool's size is unknown). A call takes a token before its timeout
-	// starts, so a caller queueing for a connection waits (bounded by its
-	// own context) instead of timing out: the client's own saturation is
-	// never mistaken for Redis being down.
-	gate chan struct{}
+	breakers *breakers // one per Redis node
+	addr     string    // the node of a client that is not a Cluster (its address)
+	// gates hold, per Redis node, one token per connection of the
+	// client's pool for that node (nil when the pool's size is unknown). A
+	// call takes a token before its timeout starts, so a caller queueing
+	// for a connection waits (bounded by its own context) instead of timing
+	// out: the client's own saturation is never mistaken for Redis being
+	// down.
+	gates *gates
+}
+
+// gates are the engine's per-node connection gates (see Engine.gates).
+type gates struct {
+	size   int                      // tokens per node: the pool's size
+	mu     sync.Mutex               // guards byNode
+	byNode map[string]chan struct{} // entries are never removed (one per node ever called)
+}
+
+// of returns node's gate, or nil if g is.
+func (g *gates) of(node string) chan struct{} {
+	if g == nil {
+		return nil
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	c, ok := g.byNode[node]
+	if !ok {
+		c = make(chan struct{}, g.size)
+		g.byNode[node] = c
+	}
+	return c
 }
 
 // An Option configures an Engine in New.
@@ -136,7 +161,7 @@ func WithProbeBackoff(min, max time.Duration) Option {
 		if min <= 0 || max < min {
 			return fmt.Errorf("throttle: probe backoff %v to %v: want 0 < min <= max", min, max)
 		}
-		e.breaker.min, e.breaker.max = min, max
+		e.breakers.min, e.breakers.max = min, max
 		return nil
 	}
 }
@@ -151,7 +176,7 @@ func New(rdb redis.Scripter, opts ...Option) (*Engine, error) {
 	}
 	e := &Engine{
 		rdb: rdb, prefix: DefaultPrefix, timeout: DefaultTimeout, observer: nopObserver{},
-		breaker: &breaker{min: DefaultProbeMin, max: DefaultProbeMax},
+		breakers: newBreakers(), addr: "redis",
 	}
 	for _, opt := range opts {
 		if err := opt(e); err != nil {
@@ -162,18 +187,25 @@ func New(rdb redis.Scripter, opts ...Option) (*Engine, error) {
 		return nil, errors.New("throttle: the go-redis client does not let a context deadline cut a call short, " +
 			"so the engine's timeout would not hold: build it with ContextTimeoutEnabled: true (or pass WithTimeout(0))")
 	}
-	e.breaker.notify = e.observer.ObserveBreaker
+	e.breakers.obs = e.observer
+	e.breakers.nodeObs, _ = e.observer.(NodeObserver)
+	if c, ok := rdb.(*redis.Client); ok {
+		e.addr = c.Options().Addr
+	}
 	if n := poolSize(rdb); n > 0 {
-		e.gate = make(chan struct{}, n)
+		e.gates = &gates{size: n, byNode: make(map[string]chan struct{})}
 	}
 	return e, nil
 }
 
-// poolSize returns the size of rdb's connection pool, or 0 where there is
-// no single pool to size the gate by (a Cluster or Ring keeps one per node,
-// and a client of another kind is unknown).
+// poolSize returns the size of rdb's connection pool for one node (a
+// Cluster client keeps one such pool per node), or 0 where it is unknown
+// (a Ring's shards, or a client of another kind).
 func poolSize(rdb redis.Scripter) int {
-	if c, ok := rdb.(*redis.Client); ok {
+	switch c := rdb.(type) {
+	case *redis.Client:
+		return c.Options().PoolSize
+	case *redis.ClusterClient:
 		return c.Options().PoolSize
 	}
 	return 0
@@ -198,9 +230,41 @@ func contextTimeouts(rdb redis.Scripter) bool {
 func (e *Engine) Observer() Observer { return e.observer }
 
 // Unavailable reports whether calls are failing fast because Redis is
-// unavailable, and if so how long until the next probe.
+// unavailable, and if so how long until the next probe. The engine keeps
+// one breaker per Redis node (per master of a Cluster): Unavailable
+// reports whether any is open, and the soonest probe; UnavailableFor
+// reports on the node of one key.
 func (e *Engine) Unavailable() (bool, time.Duration) {
-	return e.breaker.state()
+	return e.breakers.state()
+}
+
+// UnavailableFor is Unavailable for the Redis node that holds key (as
+// given to the engine's other methods, before the prefix): with a Redis
+// Cluster, whether calls for key fail fast because the master that owns
+// its slot is unavailable, while other masters may serve. With another
+// client it is Unavailable. It makes no Redis call once a Cluster client
+// has read the cluster's slot map.
+func (e *Engine) UnavailableFor(ctx context.Context, key string) (bool, time.Duration) {
+	return e.breakers.stateOf(e.node(ctx, e.prefix+key))
+}
+
+// node names the Redis node (the failure domain, with a breaker of its
+// own) that holds the prefixed key: for a Cluster, the address of the
+// master that owns the key's slot, as far as the client's slot map knows
+// ("cluster" if it cannot be read: the client reads it on first use);
+// for a plain client, its address; for other clients, "redis".
+func (e *Engine) node(ctx context.Context, key string) string {
+	c, ok := e.rdb.(*redis.ClusterClient)
+	if !ok {
+		return e.addr
+	}
+	ctx, cancel := e.callContext(ctx)
+	defer cancel()
+	m, err := c.MasterForKey(ctx, key)
+	if err != nil {
+		return "cluster"
+	}
+	return m.Options().Addr
 }
 
 // Load sends the engine's scripts to Redis, so that the first booking does

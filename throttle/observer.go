@@ -49,9 +49,26 @@ type Observer interface {
 	ObserveCall(limiter string, d time.Duration, err error)
 	// ObserveRefund reports a refund and how much time it gave back.
 	ObserveRefund(limiter string, given time.Duration)
-	// ObserveBreaker reports the breaker opening (Redis unavailable: calls
-	// go to the fallback) or closing (shared limiting restored).
+	// ObserveBreaker reports the engine's first breaker opening (a Redis
+	// node unavailable: calls for its subjects fail fast or go to the
+	// fallback) and its last one closing (shared limiting restored
+	// everywhere). The engine keeps one breaker per Redis node (see
+	// NodeObserver); with a plain client there is one. Changes are
+	// reported in the order they happen.
 	ObserveBreaker(open bool)
+}
+
+// A NodeObserver is an Observer that is also told which Redis node's
+// breaker opened or closed: the address of a plain client, of the master
+// owning the key's slot for a Cluster ("cluster" while its slot map cannot
+// be read), or "redis" for another kind of client. The engine calls
+// ObserveNodeBreaker, if its Observer has it, for every change of every
+// node's breaker, under the breaker's lock: for each node, openings and
+// closings arrive in the order they happened and alternate, starting with
+// an opening. Like the Observer's methods it must be quick.
+type NodeObserver interface {
+	Observer
+	ObserveNodeBreaker(node string, open bool)
 }
 
 // nopObserver is used when none is set.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -170,6 +171,7 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 	}
 	now := vals[0]
 	out := make([]Booking, len(reqs))
+	var ends []int64 // every booking's ends, in one allocation
 	for i, r := range reqs {
 		v := vals[1+per*i : 1+per*(i+1)]
 		b := Booking{
@@ -184,7 +186,10 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 		if b.OK { // each limit advanced from the slot: tat = max(tat, slot) + n*I
 			slot := now + v[1]
 			b.id = rand.Uint64()
-			b.ends = make([]int64, m)
+			if ends == nil {
+				ends = make([]int64, m*len(reqs))
+			}
+			b.ends = ends[m*i : m*(i+1) : m*(i+1)]
 			for k, l := range limits {
 				b.ends[k] = max(b.starts[k], slot) + int64(r.N)*l.intervalMicros()
 			}
@@ -245,7 +250,7 @@ func (e *Engine) RefundAll(ctx context.Context, keys []string, limits []Limit, b
 	for i := range given {
 		given[i] = time.Duration(vals[1+i]) * time.Microsecond
 	}
-	e.observer.ObserveRefund(label(keys[0]), given[0])
+	e.observer.ObserveRefund(label(keys[0]), slices.Max(given))
 	return given, nil
 }
 
@@ -292,27 +297,29 @@ func (e *Engine) run(ctx context.Context, s *script, keys []string, args []any, 
 	return int64s(reply, want)
 }
 
-// runReply runs s on the prefixed keys through the breaker, within the
-// timeout, and classifies its error (see classify).
+// runReply runs s on the prefixed keys through the breaker of the Redis
+// node that holds them, within the timeout, and classifies its error (see
+// classify).
 func (e *Engine) runReply(ctx context.Context, s *script, keys []string, args []any) (any, error) {
-	ok, probe := e.breaker.allow() // before the gate: fail fast without queueing
-	if !ok {
-		return nil, errBreakerOpen
-	}
-	if e.gate != nil {
-		select {
-		case e.gate <- struct{}{}:
-		case <-ctx.Done():
-			if probe {
-				e.breaker.abandon()
-			}
-			return nil, ctx.Err()
-		}
-		defer func() { <-e.gate }()
-	}
 	full := make([]string, len(keys))
 	for i, k := range keys {
 		full[i] = e.prefix + k
+	}
+	node := e.node(ctx, full[0])
+	ok, probe := e.breakers.allow(node) // before the gate: fail fast without queueing
+	if !ok {
+		return nil, errBreakerOpen
+	}
+	if gate := e.gates.of(node); gate != nil {
+		select {
+		case gate <- struct{}{}:
+		case <-ctx.Done():
+			if probe {
+				e.breakers.abandon(node)
+			}
+			return nil, ctx.Err()
+		}
+		defer func() { <-gate }()
 	}
 	timeout := e.timeout
 	if probe {
@@ -325,7 +332,7 @@ func (e *Engine) runReply(ctx context.Context, s *script, keys []string, args []
 	defer cancel()
 	start := time.Now()
 	reply, err := s.run(callCtx, e.rdb, full, args)
-	err = e.classify(ctx, start, err)
+	err = e.classify(ctx, node, probe, start, err)
 	e.observer.ObserveCall(label(keys[0]), time.Since(start), err)
 	return reply, err
 }
@@ -336,30 +343,38 @@ const probeTimeouts = 4
 // errBreakerOpen is the error of a call refused at once by the open breaker.
 var errBreakerOpen = fmt.Errorf("%w (failing fast until a probe succeeds)", ErrUnavailable)
 
-// classify tells the breaker what err says of Redis, and returns err as
-// the caller should see it: matching ErrUnavailable when Redis could not
-// be reached or could not serve, and ErrReplyLost as well when the script
-// may have run all the same; matching ErrCorruptState for a stored value
-// that is not a TAT.
-func (e *Engine) classify(ctx context.Context, start time.Time, err error) error {
+// classify tells node's breaker what err says of it, and returns err as
+// the caller should see it (the table is in the package doc): matching
+// ErrUnavailable when Redis could not be reached or could not serve, and
+// ErrReplyLost as well when the script may have run all the same; matching
+// ErrCorruptState for a stored value that is not a TAT. probe tells
+// whether the call was the open breaker's probe.
+func (e *Engine) classify(ctx context.Context, node string, probe bool, start time.Time, err error) error {
 	switch {
 	case err == nil:
-		e.breaker.success()
+		e.breakers.success(node)
 		return nil
 	case ctx.Err() != nil: // the caller gave up: no verdict on Redis
-		e.breaker.abandon()
+		if probe {
+			e.breakers.abandon(node)
+		}
 		if !notSent(err) {
 			return fmt.Errorf("%w: %w", ErrReplyLost, err)
 		}
 		return err
+	case saturated(err): // the client's own pool: no verdict on Redis either
+		if probe {
+			e.breakers.abandon(node)
+		}
+		return fmt.Errorf("%w: %w", ErrUnavailable, err)
 	case unavailable(err):
-		e.breaker.failure(start)
+		e.breakers.failure(node, start)
 		if !notSent(err) {
 			return fmt.Errorf("%w: %w: %w", ErrUnavailable, ErrReplyLost, err)
 		}
 		return fmt.Errorf("%w: %w", ErrUnavailable, err)
 	default: // Redis answered, with an error
-		e.breaker.success()
+		e.breakers.success(node)
 		if msg, ok := strings.CutPrefix(err.Error(), "SLOTBOOK_CORRUPT "); ok {
 			msg, _, _ = strings.Cut(msg, " script: ") // Redis appends where in the script
 			return fmt.Errorf("%w: %s", ErrCorruptState, msg)

@@ -78,13 +78,14 @@ func Shared(tb testing.TB) *Server {
 // Start starts a redis-server of the test's own, stopped when the test ends.
 // It skips the test where there is no redis-server (fails it under
 // SLOTBOOK_REQUIRE_REDIS=1). Fault tests that kill or pause the server use it.
-func Start(tb testing.TB) *Server {
+// extra is passed to redis-server (for instance "--cluster-enabled", "yes").
+func Start(tb testing.TB, extra ...string) *Server {
 	tb.Helper()
 	path, err := exec.LookPath("redis-server")
 	if err != nil {
 		missing(tb)
 	}
-	s, err := startReal(path, 0)
+	s, err := startReal(path, 0, extra...)
 	if err != nil {
 		tb.Fatalf("redistest: %v", err)
 	}
@@ -301,8 +302,10 @@ type Cluster struct {
 // --cluster-enabled yes on free 127.0.0.1 ports, joins them with
 // redis-cli --cluster create, waits until the cluster is ok, and stops them
 // when the test ends. It skips the test where redis-server or redis-cli is
-// missing (fails it under SLOTBOOK_REQUIRE_REDIS=1).
-func StartCluster(tb testing.TB, n int) *Cluster {
+// missing (fails it under SLOTBOOK_REQUIRE_REDIS=1). extra is passed to
+// every redis-server (for instance "--cluster-require-full-coverage", "no",
+// so that the other masters keep serving while one is stopped).
+func StartCluster(tb testing.TB, n int, extra ...string) *Cluster {
 	tb.Helper()
 	server, err1 := exec.LookPath("redis-server")
 	cli, err2 := exec.LookPath("redis-cli")
@@ -311,7 +314,7 @@ func StartCluster(tb testing.TB, n int) *Cluster {
 	}
 	c := &Cluster{}
 	for i := 0; i < n; i++ {
-		s, err := startReal(server, 0, "--cluster-enabled", "yes", "--cluster-node-timeout", "2000")
+		s, err := startReal(server, 0, append([]string{"--cluster-enabled", "yes", "--cluster-node-timeout", "2000"}, extra...)...)
 		if err != nil {
 			tb.Fatalf("redistest: cluster node: %v", err)
 		}
@@ -342,6 +345,10 @@ func StartCluster(tb testing.TB, n int) *Cluster {
 	}
 	return c
 }
+
+// Node returns the cluster's i-th node (a master; Addrs[i]), for a test
+// that stops it.
+func (c *Cluster) Node(i int) *Server { return c.nodes[i] }
 
 // Client returns a cluster client, closed when the test ends.
 func (c *Cluster) Client(tb testing.TB) *redis.ClusterClient {
