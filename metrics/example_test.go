@@ -23,7 +23,10 @@ func Example() {
 	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr(), ContextTimeoutEnabled: true})
 	defer rdb.Close()
 
-	m := metrics.New()
+	m, err := metrics.New()
+	if err != nil {
+		panic(err)
+	}
 	reg := prometheus.NewRegistry() // or prometheus.DefaultRegisterer: your choice
 	reg.MustRegister(m)
 	// Ten seconds, not the default 50ms: the embedded Redis runs its Lua in

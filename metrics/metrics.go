@@ -2,12 +2,12 @@
 // Collector that is also the engine's throttle.Observer. Nothing is
 // registered for you:
 //
-//	m := metrics.New()
+//	m, err := metrics.New()                         // a bad option is an error
 //	prometheus.MustRegister(m)                      // or your own registry
 //	eng, err := throttle.New(rdb, throttle.WithObserver(m))
 //
-// Every metric is labelled by limiter name, never by subject key, so the
-// number of series stays bounded:
+// Every metric is labelled by limiter name, never by subject key, and the
+// breaker gauge by Redis node, so the number of series stays bounded:
 //
 //	slotbook_decisions_total{limiter,outcome}        requests by outcome: allowed, denied, booked,
 //	                                                 refused, fallback_allowed, fallback_refused
@@ -16,15 +16,31 @@
 //	slotbook_redis_errors_total{limiter}             script calls that failed
 //	slotbook_lost_replies_total{limiter}             script calls sent whose reply never came: each may
 //	                                                 have booked slots nobody will use (quota wasted)
-//	slotbook_refunds_total{limiter}                  bookings given back
+//	slotbook_refunds_total{limiter}                  refunds that gave time back
+//	slotbook_refunds_noop_total{limiter}             refunds that gave nothing back (a later booking
+//	                                                 stands on it, its slot has come, or given back before)
 //	slotbook_refunded_seconds_total{limiter}         time given back by refunds
-//	slotbook_fallback_active{limiter}                1 while Redis is unavailable and the fallback answers
+//	slotbook_breaker_open{node}                      breakers open for the Redis node (its address; the
+//	                                                 master of a Cluster): while open, calls for subjects
+//	                                                 on that node fail fast or the fallback answers
+//
+// One Collector serves any number of engines: give it to each with
+// throttle.WithObserver. The breaker gauge counts each engine's breaker for
+// a node (0 or 1 with one engine per Redis), so one engine's outage never
+// shows on another's node. Per limiter, the fallback's share is
+// rate(slotbook_decisions_total{outcome=~"fallback_.*"}). Two Collectors in
+// one registry must differ in WithNamespace or WithConstLabels (for
+// instance {"engine": "payments"}): the registry refuses two collectors of
+// the same metrics.
 package metrics
 
 import (
 	"errors"
-	"sync"
+	"fmt"
+	"slices"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -40,34 +56,76 @@ type Collector struct {
 	callErrors    *prometheus.CounterVec
 	lostReplies   *prometheus.CounterVec
 	refunds       *prometheus.CounterVec
+	refundsNoop   *prometheus.CounterVec
 	refundSeconds *prometheus.CounterVec
-	fallback      *prometheus.GaugeVec
-
-	mu       sync.Mutex          // guards limiters and open
-	limiters map[string]struct{} // names seen, for the fallback gauge
-	open     bool
+	breakerOpen   *prometheus.GaugeVec
 }
 
-// An Option configures a Collector.
-type Option func(*options)
+// An Option configures a Collector in New.
+type Option func(*options) error
 
 type options struct {
 	namespace   string
 	constLabels prometheus.Labels
 }
 
-// WithNamespace replaces the "slotbook" prefix of the metric names.
-func WithNamespace(ns string) Option { return func(o *options) { o.namespace = ns } }
+// WithNamespace replaces the "slotbook" prefix of the metric names: ns
+// must be empty (no prefix) or a valid metric name ([a-zA-Z_:][a-zA-Z0-9_:]*).
+func WithNamespace(ns string) Option {
+	return func(o *options) error {
+		if ns != "" && !validName(ns, true) {
+			return fmt.Errorf("metrics: namespace %q is not a valid metric name", ns)
+		}
+		o.namespace = ns
+		return nil
+	}
+}
 
 // WithConstLabels adds labels to every metric (an application name, say).
-func WithConstLabels(l prometheus.Labels) Option { return func(o *options) { o.constLabels = l } }
+// Their names must be valid label names, not reserved ("__" first) and not
+// one of the Collector's own labels; their values valid UTF-8.
+func WithConstLabels(l prometheus.Labels) Option {
+	return func(o *options) error {
+		for name, v := range l {
+			switch {
+			case !validName(name, false) || strings.HasPrefix(name, "__"):
+				return fmt.Errorf("metrics: const label name %q is not a valid label name", name)
+			case slices.Contains(ownLabels, name):
+				return fmt.Errorf("metrics: const label %q is one of the collector's own labels %v", name, ownLabels)
+			case !utf8.ValidString(v):
+				return fmt.Errorf("metrics: const label %q: value is not valid UTF-8", name)
+			}
+		}
+		o.constLabels = l
+		return nil
+	}
+}
+
+// ownLabels are the labels the Collector's metrics carry ("le": the
+// histograms' buckets).
+var ownLabels = []string{"limiter", "outcome", "node", "le"}
+
+// validName reports whether s is a Prometheus metric name (colons allowed)
+// or label name.
+func validName(s string, colons bool) bool {
+	for i, r := range s {
+		ok := r == '_' || (r >= 'a' && r <= 'z') || (r >= 'A' && r <= 'Z') || (i > 0 && r >= '0' && r <= '9') || (colons && r == ':')
+		if !ok {
+			return false
+		}
+	}
+	return s != ""
+}
 
 // New returns a Collector; register it with a prometheus.Registerer and pass
-// it to throttle.WithObserver.
-func New(opts ...Option) *Collector {
+// it to throttle.WithObserver. A bad option is an error. New registers
+// nothing.
+func New(opts ...Option) (*Collector, error) {
 	o := options{namespace: "slotbook"}
 	for _, opt := range opts {
-		opt(&o)
+		if err := opt(&o); err != nil {
+			return nil, err
+		}
 	}
 	lim := []string{"limiter"}
 	return &Collector{
@@ -95,18 +153,21 @@ func New(opts ...Option) *Collector {
 		}, lim),
 		refunds: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: o.namespace, Name: "refunds_total", ConstLabels: o.constLabels,
-			Help: "Bookings given back.",
+			Help: "Refunds that gave time back.",
+		}, lim),
+		refundsNoop: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: o.namespace, Name: "refunds_noop_total", ConstLabels: o.constLabels,
+			Help: "Refunds that gave nothing back: a later booking stood on the booking, its slot had come, or it was given back before.",
 		}, lim),
 		refundSeconds: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: o.namespace, Name: "refunded_seconds_total", ConstLabels: o.constLabels,
 			Help: "Time given back by refunds.",
 		}, lim),
-		fallback: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Namespace: o.namespace, Name: "fallback_active", ConstLabels: o.constLabels,
-			Help: "1 while Redis is unavailable and the fallback policy answers.",
-		}, lim),
-		limiters: make(map[string]struct{}),
-	}
+		breakerOpen: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: o.namespace, Name: "breaker_open", ConstLabels: o.constLabels,
+			Help: "Engines whose breaker for the Redis node is open: calls for subjects on it fail fast or the fallback answers.",
+		}, []string{"node"}),
+	}, nil
 }
 
 // Describe implements prometheus.Collector.
@@ -124,12 +185,11 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 }
 
 func (c *Collector) all() []prometheus.Collector {
-	return []prometheus.Collector{c.decisions, c.bookedWait, c.callDuration, c.callErrors, c.lostReplies, c.refunds, c.refundSeconds, c.fallback}
+	return []prometheus.Collector{c.decisions, c.bookedWait, c.callDuration, c.callErrors, c.lostReplies, c.refunds, c.refundsNoop, c.refundSeconds, c.breakerOpen}
 }
 
 // ObserveDecision implements throttle.Observer.
 func (c *Collector) ObserveDecision(limiter string, o throttle.Outcome, wait time.Duration) {
-	c.seen(limiter)
 	c.decisions.WithLabelValues(limiter, o.String()).Inc()
 	if o == throttle.Booked || o == throttle.FallbackAllowed {
 		c.bookedWait.WithLabelValues(limiter).Observe(wait.Seconds())
@@ -138,7 +198,6 @@ func (c *Collector) ObserveDecision(limiter string, o throttle.Outcome, wait tim
 
 // ObserveCall implements throttle.Observer.
 func (c *Collector) ObserveCall(limiter string, d time.Duration, err error) {
-	c.seen(limiter)
 	c.callDuration.WithLabelValues(limiter).Observe(d.Seconds())
 	if err != nil {
 		c.callErrors.WithLabelValues(limiter).Inc()
@@ -148,38 +207,32 @@ func (c *Collector) ObserveCall(limiter string, d time.Duration, err error) {
 	}
 }
 
-// ObserveRefund implements throttle.Observer.
+// ObserveRefund implements throttle.Observer: a refund that gave time
+// back counts in refunds_total, one that gave nothing in
+// refunds_noop_total.
 func (c *Collector) ObserveRefund(limiter string, given time.Duration) {
+	if given <= 0 {
+		c.refundsNoop.WithLabelValues(limiter).Inc()
+		return
+	}
 	c.refunds.WithLabelValues(limiter).Inc()
 	c.refundSeconds.WithLabelValues(limiter).Add(given.Seconds())
 }
 
-// ObserveBreaker implements throttle.Observer: the fallback gauge of every
-// limiter seen follows the engine's breaker.
-func (c *Collector) ObserveBreaker(open bool) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.open = open
-	for name := range c.limiters {
-		c.fallback.WithLabelValues(name).Set(b2f(open))
+// ObserveBreaker implements throttle.Observer. It does nothing: the
+// Collector follows each node's breaker through ObserveNodeBreaker, which
+// tells which Redis node, and so which engine's, changed.
+func (c *Collector) ObserveBreaker(bool) {}
+
+// ObserveNodeBreaker implements throttle.NodeObserver: the node's gauge
+// counts the engines whose breaker for it is open. The engine reports each
+// node's changes in order, alternating, starting with an opening.
+func (c *Collector) ObserveNodeBreaker(node string, open bool) {
+	if open {
+		c.breakerOpen.WithLabelValues(node).Inc()
+	} else {
+		c.breakerOpen.WithLabelValues(node).Dec()
 	}
 }
 
-func (c *Collector) seen(limiter string) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if _, ok := c.limiters[limiter]; ok {
-		return
-	}
-	c.limiters[limiter] = struct{}{}
-	c.fallback.WithLabelValues(limiter).Set(b2f(c.open))
-}
-
-func b2f(b bool) float64 {
-	if b {
-		return 1
-	}
-	return 0
-}
-
-var _ throttle.Observer = (*Collector)(nil)
+var _ throttle.NodeObserver = (*Collector)(nil)

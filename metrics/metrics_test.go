@@ -22,7 +22,7 @@ func TestMain(m *testing.M) { redistest.Main(m) }
 
 func TestDecisionsAndRefunds(t *testing.T) {
 	t.Parallel()
-	m := metrics.New()
+	m := collector(t)
 	reg := prometheus.NewPedanticRegistry()
 	require.NoError(t, reg.Register(m))
 	rdb := redistest.Shared(t).Client(t)
@@ -63,7 +63,7 @@ func TestDecisionsAndRefunds(t *testing.T) {
 slotbook_decisions_total{limiter="api",outcome="booked"} 5
 slotbook_decisions_total{limiter="api",outcome="denied"} 1
 slotbook_decisions_total{limiter="api",outcome="refused"} 1
-# HELP slotbook_refunds_total Bookings given back.
+# HELP slotbook_refunds_total Refunds that gave time back.
 # TYPE slotbook_refunds_total counter
 slotbook_refunds_total{limiter="api"} 1
 # HELP slotbook_refunded_seconds_total Time given back by refunds.
@@ -71,10 +71,7 @@ slotbook_refunds_total{limiter="api"} 1
 slotbook_refunded_seconds_total{limiter="api"} 0.1
 # HELP slotbook_redis_errors_total Script calls to Redis that failed.
 # TYPE slotbook_redis_errors_total counter
-# HELP slotbook_fallback_active 1 while Redis is unavailable and the fallback policy answers.
-# TYPE slotbook_fallback_active gauge
-slotbook_fallback_active{limiter="api"} 0
-`), "slotbook_decisions_total", "slotbook_refunds_total", "slotbook_refunded_seconds_total", "slotbook_redis_errors_total", "slotbook_fallback_active"))
+`), "slotbook_decisions_total", "slotbook_refunds_total", "slotbook_refunded_seconds_total", "slotbook_redis_errors_total", "slotbook_breaker_open"))
 	require.Equal(t, 2, testutil.CollectAndCount(m, "slotbook_booked_wait_seconds", "slotbook_redis_call_duration_seconds"))
 
 	problems, err := testutil.CollectAndLint(m)
@@ -84,9 +81,11 @@ slotbook_fallback_active{limiter="api"} 0
 	require.NoError(t, err, "the pedantic registry accepts the collector")
 }
 
-func TestFallbackGaugeAndErrors(t *testing.T) {
+// TestBreakerGaugeAndErrors: with the limiter's Redis killed, the node's
+// breaker gauge reads 1 and the fallback's decisions count.
+func TestBreakerGaugeAndErrors(t *testing.T) {
 	t.Parallel()
-	m := metrics.New(metrics.WithNamespace("acme"), metrics.WithConstLabels(prometheus.Labels{"app": "billing"}))
+	m := collector(t, metrics.WithNamespace("acme"), metrics.WithConstLabels(prometheus.Labels{"app": "billing"}))
 	srv := redistest.Start(t)
 	// No probe within the test, however slow the machine: exactly one call
 	// reaches the dead server. A generous timeout, so that the call before
@@ -103,9 +102,9 @@ func TestFallbackGaugeAndErrors(t *testing.T) {
 		require.NoError(t, lim.Acquire(ctx, "k"))
 	}
 	require.NoError(t, testutil.CollectAndCompare(m, strings.NewReader(`
-# HELP acme_fallback_active 1 while Redis is unavailable and the fallback policy answers.
-# TYPE acme_fallback_active gauge
-acme_fallback_active{app="billing",limiter="api"} 1
+# HELP acme_breaker_open Engines whose breaker for the Redis node is open: calls for subjects on it fail fast or the fallback answers.
+# TYPE acme_breaker_open gauge
+acme_breaker_open{app="billing",node="`+srv.Addr+`"} 1
 # HELP acme_decisions_total Requests decided, by outcome.
 # TYPE acme_decisions_total counter
 acme_decisions_total{app="billing",limiter="api",outcome="booked"} 1
@@ -113,7 +112,7 @@ acme_decisions_total{app="billing",limiter="api",outcome="fallback_allowed"} 3
 # HELP acme_redis_errors_total Script calls to Redis that failed.
 # TYPE acme_redis_errors_total counter
 acme_redis_errors_total{app="billing",limiter="api"} 1
-`), "acme_fallback_active", "acme_decisions_total", "acme_redis_errors_total"))
+`), "acme_breaker_open", "acme_decisions_total", "acme_redis_errors_total"))
 }
 
 // TestLostReplies: a call sent to a Redis that does not answer in time
@@ -122,7 +121,7 @@ acme_redis_errors_total{app="billing",limiter="api"} 1
 // not count.
 func TestLostReplies(t *testing.T) {
 	t.Parallel()
-	m := metrics.New()
+	m := collector(t)
 	srv := redistest.Start(t)
 	admin := srv.Client(t)
 	// A timeout generous enough for the calls before the pause on a busy
@@ -152,4 +151,129 @@ func TestLostReplies(t *testing.T) {
 # TYPE slotbook_lost_replies_total counter
 slotbook_lost_replies_total{limiter="api"} 1
 `), "slotbook_lost_replies_total"))
+}
+
+// TestRefundsCountOnlyWhatWasGivenBack: a refund that gives nothing back
+// (a later booking stands on it, or it was given back before) counts in
+// refunds_noop_total, not in refunds_total.
+func TestRefundsCountOnlyWhatWasGivenBack(t *testing.T) {
+	t.Parallel()
+	m := collector(t)
+	rdb := redistest.Shared(t).Client(t)
+	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithObserver(m), throttle.WithTimeout(5*time.Second))
+	require.NoError(t, err)
+	ctx := testhook.WithNow(context.Background(), time.Now().UnixMicro()) // exact waits
+	lim := throttle.PerSecond(10, 0)
+	book := func() throttle.Booking {
+		b, err := eng.Book(ctx, "api:{k}", lim, throttle.Request{N: 1, MaxWait: time.Second})
+		require.NoError(t, err)
+		require.True(t, b.OK)
+		return b
+	}
+	refund := func(b throttle.Booking) time.Duration {
+		given, err := eng.Refund(ctx, "api:{k}", lim, b)
+		require.NoError(t, err)
+		return given
+	}
+	book()           // now
+	first := book()  // 100ms away
+	second := book() // 200ms away, standing on first
+	require.Zero(t, refund(first), "a later booking stands on it")
+	require.Equal(t, 100*time.Millisecond, refund(second))
+	require.Zero(t, refund(second), "given back before")
+
+	require.NoError(t, testutil.CollectAndCompare(m, strings.NewReader(`
+# HELP slotbook_refunds_total Refunds that gave time back.
+# TYPE slotbook_refunds_total counter
+slotbook_refunds_total{limiter="api"} 1
+# HELP slotbook_refunds_noop_total Refunds that gave nothing back: a later booking stood on the booking, its slot had come, or it was given back before.
+# TYPE slotbook_refunds_noop_total counter
+slotbook_refunds_noop_total{limiter="api"} 2
+# HELP slotbook_refunded_seconds_total Time given back by refunds.
+# TYPE slotbook_refunded_seconds_total counter
+slotbook_refunded_seconds_total{limiter="api"} 0.1
+`), "slotbook_refunds_total", "slotbook_refunds_noop_total", "slotbook_refunded_seconds_total"))
+}
+
+// TestOneCollectorTwoEngines: one Collector observing two engines, each on
+// a Redis of its own: with one Redis killed, only its node's breaker gauge
+// reads 1, the other engine's limiter is served by its Redis, and the
+// gauge returns to 0 once the killed Redis is back. Two Collectors register
+// in one registry when their const labels differ.
+func TestOneCollectorTwoEngines(t *testing.T) {
+	t.Parallel()
+	m := collector(t)
+	reg := prometheus.NewPedanticRegistry()
+	require.NoError(t, reg.Register(m))
+	down, up := redistest.Start(t), redistest.Start(t)
+	engDown, err := throttle.New(down.Client(t), throttle.WithObserver(m), throttle.WithTimeout(5*time.Second),
+		throttle.WithProbeBackoff(10*time.Millisecond, 50*time.Millisecond))
+	require.NoError(t, err)
+	engUp, err := throttle.New(up.Client(t), throttle.WithObserver(m), throttle.WithTimeout(5*time.Second))
+	require.NoError(t, err)
+	orders, err := reserve.New(engDown, "orders", throttle.PerSecond(1000, 10), reserve.WithFallback(reserve.FailOpen()))
+	require.NoError(t, err)
+	payments, err := reserve.New(engUp, "payments", throttle.PerSecond(1000, 10), reserve.WithFallback(reserve.FailOpen()))
+	require.NoError(t, err)
+	ctx := context.Background()
+	redistest.UntilOK(t, func() error { _, err := engDown.Allow(ctx, "warm:orders", throttle.PerSecond(1000, 10)); return err })
+	redistest.UntilOK(t, func() error { _, err := engUp.Allow(ctx, "warm:payments", throttle.PerSecond(1000, 10)); return err })
+
+	down.Stop()
+	for i := 0; i < 3; i++ {
+		_, err := orders.Allow(ctx, "k")
+		require.NoError(t, err)
+		_, err = payments.Allow(ctx, "k")
+		require.NoError(t, err)
+	}
+	gauge := func(node string) float64 {
+		return value(t, reg, "slotbook_breaker_open", map[string]string{"node": node})
+	}
+	require.Equal(t, 1.0, gauge(down.Addr), "the killed Redis's breaker is open")
+	require.Equal(t, 0.0, gauge(up.Addr), "the other engine's Redis is served")
+	decisions := func(limiter string, o throttle.Outcome) float64 {
+		return value(t, reg, "slotbook_decisions_total", map[string]string{"limiter": limiter, "outcome": o.String()})
+	}
+	require.Zero(t, decisions("payments", throttle.FallbackAllowed), "payments never fell back")
+	require.Equal(t, 3.0, decisions("payments", throttle.Allowed))
+	require.Equal(t, 3.0, decisions("orders", throttle.FallbackAllowed))
+
+	down.Restart(t)
+	redistest.UntilOK(t, func() error { _, err := engDown.Allow(ctx, "warm:orders", throttle.PerSecond(1000, 10)); return err })
+	require.Equal(t, 0.0, gauge(down.Addr), "closed again once Redis is back")
+	_, err = reg.Gather()
+	require.NoError(t, err)
+
+	// Two Collectors in one registry: with const labels telling them apart.
+	two := prometheus.NewPedanticRegistry()
+	require.NoError(t, two.Register(collector(t, metrics.WithConstLabels(prometheus.Labels{"engine": "orders"}))))
+	require.NoError(t, two.Register(collector(t, metrics.WithConstLabels(prometheus.Labels{"engine": "payments"}))))
+	require.Error(t, two.Register(collector(t, metrics.WithConstLabels(prometheus.Labels{"engine": "payments"}))),
+		"the same metrics twice are refused")
+}
+
+// value returns the value of the gauge or counter name with the given
+// labels in what reg gathers, or 0 if there is no such series.
+func value(t *testing.T, reg prometheus.Gatherer, name string, labels map[string]string) float64 {
+	t.Helper()
+	families, err := reg.Gather()
+	require.NoError(t, err)
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+	series:
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if want, ok := labels[l.GetName()]; ok && want != l.GetValue() {
+					continue series
+				}
+			}
+			if g := m.GetGauge(); g != nil {
+				return g.GetValue()
+			}
+			return m.GetCounter().GetValue()
+		}
+	}
+	return 0
 }
