@@ -8,6 +8,13 @@
 //	go run ./cmd/demo-worker -plot timeline.png           # draw each client's starts
 //	go run ./cmd/demo-worker -processes 3                 # three OS processes share the quota
 //	go run ./cmd/demo-worker -metrics 127.0.0.1:9090      # serve /metrics while running
+//
+// With -metrics, each mode's limiter is labelled by its mode (demo-retry,
+// demo-reserve, demo-pool). With -processes, the reserve mode runs in that
+// many worker processes, which are stopped with the coordinator (SIGINT or
+// SIGTERM); they get the Redis URL, password included, through their
+// environment, never their command line. -processes takes -json but not
+// -plot, -metrics or other -modes.
 package main
 
 import (
@@ -22,6 +29,7 @@ import (
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -37,7 +45,7 @@ import (
 )
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr))
 }
@@ -84,7 +92,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	switch {
 	case o.role == "worker":
-		err = worker(ctx, o, stdout)
+		err = worker(ctx, o, os.Stdin, stdout)
 	case o.processes > 0:
 		err = coordinate(ctx, o, stdout, stderr)
 	default:
@@ -114,7 +122,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.StringVar(&o.plot, "plot", "", "write a timeline of each mode's starts to this .png file")
 	fs.StringVar(&o.metrics, "metrics", "", "serve Prometheus /metrics on this address while running")
 	fs.IntVar(&o.processes, "processes", 0, "distributed mode: share the -clients between this many worker processes on one key, and print their combined table")
-	fs.StringVar(&o.role, "role", "", `"worker": run as one process of a distributed run (needs -redis and -key)`)
+	fs.StringVar(&o.role, "role", "", `"worker": run as one process of a distributed run (needs -key, and -redis or `+redisURLEnv+` in the environment)`)
 	fs.StringVar(&o.key, "key", "", "distributed mode: the key the processes share")
 	startNS := fs.Int64("start-unix-ns", 0, "distributed mode: when the workers begin")
 	if err := fs.Parse(args); err != nil {
@@ -133,6 +141,11 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	if fs.NArg() > 0 {
 		return o, fmt.Errorf("unexpected argument %q", fs.Arg(0))
 	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	if o.role == "worker" && o.redisURL == "" {
+		o.redisURL = os.Getenv(redisURLEnv) // the coordinator's way: not visible in ps
+	}
 	switch {
 	case o.clients <= 0:
 		return o, fmt.Errorf("-clients %d: must be positive", o.clients)
@@ -148,6 +161,10 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		return o, errors.New("-role worker needs -redis and -key")
 	case o.plot != "" && !strings.HasSuffix(o.plot, ".png"):
 		return o, fmt.Errorf("-plot %q: want a .png file", o.plot)
+	case o.processes > 0 && set["modes"] && strings.TrimSpace(*modes) != "reserve":
+		return o, fmt.Errorf("-processes runs the reserve mode only, not -modes %q", *modes)
+	case o.processes > 0 && (o.plot != "" || o.metrics != ""):
+		return o, errors.New("-processes does not take -plot or -metrics (its workers are other processes)")
 	}
 	if o.redisURL != "" {
 		if _, err := redis.ParseURL(o.redisURL); err != nil {
@@ -173,13 +190,19 @@ func demo(ctx context.Context, o options, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer closeRedis()
+	if err := reach(ctx, ropts, where); err != nil {
+		return err
+	}
 	limit := throttle.Every(o.period, o.rate, o.burst)
 	// A prefix of its own, so runs against a shared Redis never meet.
 	prefix := "slotbook-demo:" + strconv.FormatInt(time.Now().UnixNano(), 36) + ":"
 
 	var observer throttle.Observer
 	if o.metrics != "" {
-		m := metrics.New()
+		m, err := metrics.New()
+		if err != nil {
+			return err
+		}
 		stop, err := serveMetrics(o.metrics, m, stderr)
 		if err != nil {
 			return err
@@ -265,8 +288,9 @@ func newModeRun(ctx context.Context, mode string, ropts *redis.Options, prefix s
 	if err == nil {
 		// Each client stands for a process of its own, so the limiter does
 		// not coalesce their calls (coalescing shares calls within one
-		// process; the pool mode shows what a process can save).
-		lim, err = reserve.New(eng, "demo", limit, reserve.WithMaxWait(o.maxWait), reserve.WithCoalescing(false))
+		// process; the pool mode shows what a process can save). Named by
+		// mode, so that each mode's metrics have a label of their own.
+		lim, err = reserve.New(eng, limiterName(mode), limit, reserve.WithMaxWait(o.maxWait), reserve.WithCoalescing(false))
 	}
 	if err != nil {
 		rdb.Close()
@@ -314,6 +338,29 @@ func progress(w io.Writer, runs []*modeRun) (stop func()) {
 	return func() { close(done); <-finished }
 }
 
+// limiterName is the limiter (and metrics label) of a mode's run.
+func limiterName(mode string) string { return "demo-" + mode }
+
+// redisURLEnv is the environment variable through which the coordinator
+// hands worker processes the Redis URL (which may hold a password).
+const redisURLEnv = "SLOTBOOK_DEMO_REDIS_URL"
+
+// reach checks that Redis at opts answers, dialling once, so that a Redis
+// that is down is reported as such ("connection refused") rather than as a
+// later call's timeout.
+func reach(ctx context.Context, opts *redis.Options, where string) error {
+	o := *opts
+	o.MaxRetries, o.DialerRetries = -1, 1
+	c := redis.NewClient(&o)
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if err := c.Ping(ctx).Err(); err != nil {
+		return fmt.Errorf("cannot reach %s: %w", where, err)
+	}
+	return nil
+}
+
 // connect returns client options for url, or for an embedded Redis when
 // url is empty, with a description and a function that stops what it
 // started.
@@ -341,11 +388,29 @@ func printTable(w io.Writer, results []contention.Result) {
 		if r.Mode != "retry" {
 			maxWait = fmtDur(r.MaxBookedWait)
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%.2f\t%s\t%s\t%s\t\n", r.Mode, r.Through, r.Calls, r.Denials,
-			r.CallsPerRequest, fmtDur(r.MeanSpacing), fmtDur(r.MinSpacing), maxWait)
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t\n", r.Mode, r.Through, r.Calls, r.Denials,
+			perRequest(r), spacing(r.MeanSpacing, r), spacing(r.MinSpacing, r), maxWait)
 	}
 	tw.Flush()
 	fmt.Fprintln(w, "\nPublished figures, 20 clients at 10/s burst 5 for 3 s: retry 36 through for 648 calls; reservation 55 for 55.")
+}
+
+// perRequest is r's Redis calls per request through, or "-" if none went
+// through (the calls were all spent on refusals).
+func perRequest(r contention.Result) string {
+	if r.Through == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%.2f", float64(r.Calls)/float64(r.Through))
+}
+
+// spacing formats a spacing of r's starts, or "-" where r has too few
+// starts after the burst to space (contention.Spacing reports 0 then).
+func spacing(d time.Duration, r contention.Result) string {
+	if r.MeanSpacing == 0 {
+		return "-"
+	}
+	return fmtDur(d)
 }
 
 func fmtDur(d time.Duration) string {

@@ -25,12 +25,19 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	// TestCoordinatorSIGTERM runs this binary as the program itself.
+	if os.Getenv(asProgramEnv) == "1" {
+		main()
+	}
 	// Distributed mode starts this binary as its workers.
 	if len(os.Args) > 2 && os.Args[1] == "-role" {
 		os.Exit(run(context.Background(), os.Args[1:], os.Stdout, os.Stderr))
 	}
 	redistest.Main(m)
 }
+
+// asProgramEnv, set to 1, makes the test binary run as demo-worker itself.
+const asProgramEnv = "SLOTBOOK_DEMO_AS_PROGRAM"
 
 func TestBadFlags(t *testing.T) {
 	t.Parallel()
@@ -147,7 +154,8 @@ func TestPlot(t *testing.T) {
 }
 
 func TestMetricsEndpoint(t *testing.T) {
-	m := metrics.New()
+	m, err := metrics.New()
+	require.NoError(t, err)
 	var errb bytes.Buffer
 	addr, stop, err := listenMetrics("127.0.0.1:0", m, &errb)
 	require.NoError(t, err)
