@@ -1,0 +1,461 @@
+// Command slotbook is an operator's view of slotbook's quotas in Redis: it
+// reads subjects' state without spending quota, and clears a subject.
+//
+//	slotbook [flags] inspect NAME [SUBJECT...]   subjects of limiter NAME, most backed up first
+//	slotbook [flags] watch NAME                  the same, refreshed every -interval
+//	slotbook [flags] reset NAME SUBJECT          clear a subject in every limit
+//
+// For each subject it shows how far ahead slots are booked (BACKLOG, until
+// the stored TAT), each key's time to live, and, given the limits with
+// -limit, the wait a request made now would get and its slot (WAIT, NEXT
+// FREE, on the Redis clock). Without -limit the wait is unknown: it
+// depends on the burst. Keys are found with SCAN (never KEYS), on every
+// master of a Redis Cluster (detected from the server). -json prints JSON
+// (one object per frame for watch).
+//
+//	go run ./cmd/slotbook -redis redis://127.0.0.1:6379/0 inspect partner-api
+//	go run ./cmd/slotbook -limit 10/1s:5 -limit 10000/24h inspect stripe tenant-42
+//	go run ./cmd/slotbook -interval 2s watch stripe
+//	go run ./cmd/slotbook reset stripe tenant-42
+package main
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/slotbook/slotbook/throttle"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Args[1:], os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "slotbook:", err)
+		if errors.Is(err, errUsage) {
+			os.Exit(2)
+		}
+		os.Exit(1)
+	}
+}
+
+// errUsage is matched by errors in the command line.
+var errUsage = errors.New("usage")
+
+type config struct {
+	url      string
+	prefix   string
+	asJSON   bool
+	top      int
+	interval time.Duration
+	count    int
+	timeout  time.Duration
+	limits   limitFlags
+}
+
+func run(ctx context.Context, args []string, out io.Writer) error {
+	fs := flag.NewFlagSet("slotbook", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	var c config
+	fs.StringVar(&c.url, "redis", "redis://127.0.0.1:6379/0", "Redis URL (a Cluster is detected: give any node)")
+	fs.StringVar(&c.prefix, "prefix", throttle.DefaultPrefix, "key prefix (throttle.WithPrefix)")
+	fs.BoolVar(&c.asJSON, "json", false, "print JSON")
+	fs.IntVar(&c.top, "top", 20, "inspect and watch: show the N most backed-up subjects (0: all)")
+	fs.DurationVar(&c.interval, "interval", time.Second, "watch: time between refreshes")
+	fs.IntVar(&c.count, "count", 0, "watch: stop after N refreshes (0: until interrupted)")
+	fs.DurationVar(&c.timeout, "timeout", 2*time.Second, "bound on each Redis call")
+	fs.Var(&c.limits, "limit", "a limit of NAME, RATE/PERIOD[:BURST] (10/1s:5), to show waits and next free slots; "+
+		"repeat it for every limit, the first one first")
+	if err := fs.Parse(args); err != nil {
+		return fmt.Errorf("%w: %w", errUsage, err)
+	}
+	cmd, rest := fs.Arg(0), fs.Args()[min(1, fs.NArg()):]
+	switch {
+	case cmd == "inspect" && len(rest) >= 1,
+		cmd == "watch" && len(rest) == 1,
+		cmd == "reset" && len(rest) == 2:
+	default:
+		return fmt.Errorf("%w: slotbook [flags] inspect NAME [SUBJECT...] | watch NAME | reset NAME SUBJECT", errUsage)
+	}
+	name := rest[0]
+	if name == "" || strings.ContainsAny(name, ":{}") {
+		return fmt.Errorf("%w: limiter name %q must be non-empty and free of ':', '{' and '}'", errUsage, name)
+	}
+	if c.top < 0 || c.count < 0 || c.interval <= 0 || c.timeout <= 0 {
+		return fmt.Errorf("%w: -top and -count must not be negative, -interval and -timeout must be positive", errUsage)
+	}
+
+	db, err := connect(ctx, c.url)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	eng, err := throttle.New(db.client, throttle.WithPrefix(c.prefix), throttle.WithTimeout(c.timeout))
+	if err != nil {
+		return err
+	}
+	v := &viewer{db: db, eng: eng, c: c, name: name}
+	switch cmd {
+	case "inspect":
+		subjects, err := v.read(ctx, rest[1:])
+		if err != nil {
+			return err
+		}
+		return v.print(out, subjects)
+	case "watch":
+		return v.watch(ctx, out)
+	default:
+		return v.reset(ctx, out, rest[1])
+	}
+}
+
+// db is a connection to a Redis server or Cluster.
+type db struct {
+	client  redis.UniversalClient
+	cluster *redis.ClusterClient // nil for a single server
+}
+
+func (d *db) Close() error { return d.client.Close() }
+
+// connect opens url, and reopens it as a Cluster client if the server is
+// a Cluster node.
+func connect(ctx context.Context, url string) (*db, error) {
+	opts, err := redis.ParseURL(url)
+	if err != nil {
+		return nil, fmt.Errorf("%w: -redis: %w", errUsage, err)
+	}
+	opts.ContextTimeoutEnabled = true
+	c := redis.NewClient(opts)
+	info, err := c.Info(ctx, "cluster").Result()
+	if err != nil {
+		_ = c.Close()
+		return nil, fmt.Errorf("redis %s: %w", opts.Addr, err)
+	}
+	if !strings.Contains(info, "cluster_enabled:1") {
+		return &db{client: c}, nil
+	}
+	_ = c.Close()
+	cc := redis.NewClusterClient(&redis.ClusterOptions{
+		Addrs: []string{opts.Addr}, Username: opts.Username, Password: opts.Password,
+		TLSConfig: opts.TLSConfig, ContextTimeoutEnabled: true,
+	})
+	return &db{client: cc, cluster: cc}, nil
+}
+
+// scan returns every key matching pattern, on every master of a Cluster.
+func (d *db) scan(ctx context.Context, pattern string) ([]string, error) {
+	var (
+		mu   sync.Mutex // guards keys
+		keys []string
+	)
+	one := func(ctx context.Context, c *redis.Client) error {
+		it := c.Scan(ctx, 0, pattern, 1000).Iterator()
+		for it.Next(ctx) {
+			mu.Lock()
+			keys = append(keys, it.Val())
+			mu.Unlock()
+		}
+		return it.Err()
+	}
+	var err error
+	if d.cluster != nil {
+		err = d.cluster.ForEachMaster(ctx, one)
+	} else {
+		err = one(ctx, d.client.(*redis.Client))
+	}
+	if err != nil {
+		return nil, fmt.Errorf("scan %q: %w", pattern, err)
+	}
+	slices.Sort(keys)
+	return slices.Compact(keys), nil
+}
+
+type viewer struct {
+	db   *db
+	eng  *throttle.Engine
+	c    config
+	name string
+}
+
+// subject is one subject's reading, as printed.
+type subject struct {
+	Subject   string    `json:"subject"`
+	Backlog   duration  `json:"backlog"`
+	Wait      *duration `json:"wait,omitempty"`      // with -limit
+	NextFree  time.Time `json:"next_free,omitzero"`  // with -limit
+	Available *int      `json:"available,omitempty"` // with -limit
+	Keys      []key     `json:"keys"`
+	backlog   time.Duration
+}
+
+type key struct {
+	Key     string    `json:"key"`
+	Period  duration  `json:"period,omitempty"` // 0: the first limit
+	Exists  bool      `json:"exists"`
+	TAT     time.Time `json:"tat,omitzero"`
+	Backlog duration  `json:"backlog"`
+	TTL     duration  `json:"ttl"` // negative: no expiry
+}
+
+// duration prints as Go's Duration string in text and as seconds in JSON.
+type duration time.Duration
+
+func (d duration) String() string { return time.Duration(d).Round(time.Millisecond).String() }
+
+func (d duration) MarshalJSON() ([]byte, error) {
+	return strconv.AppendFloat(nil, time.Duration(d).Seconds(), 'f', -1, 64), nil
+}
+
+// read reads the given subjects of v's limiter, or every one found.
+func (v *viewer) read(ctx context.Context, only []string) ([]subject, error) {
+	found := map[string]map[time.Duration]string{} // subject -> period -> key (before the prefix)
+	patterns := []string{subjectPattern(v.c.prefix, v.name, "")}
+	if len(only) > 0 {
+		patterns = patterns[:0]
+		for _, s := range only {
+			if s == "" {
+				return nil, fmt.Errorf("%w: empty subject", errUsage)
+			}
+			found[s] = map[time.Duration]string{0: firstKey(v.name, s)}
+			patterns = append(patterns, subjectPattern(v.c.prefix, v.name, s))
+		}
+	}
+	for _, p := range patterns {
+		keys, err := v.db.scan(ctx, p)
+		if err != nil {
+			return nil, err
+		}
+		for _, full := range keys {
+			s, period, ok := parseKey(full, v.c.prefix, v.name)
+			if !ok || (len(only) > 0 && found[s] == nil) {
+				continue // a tombstone, or another subject matching the pattern
+			}
+			if found[s] == nil {
+				found[s] = map[time.Duration]string{}
+			}
+			found[s][period] = strings.TrimPrefix(full, v.c.prefix)
+		}
+	}
+	out := make([]subject, 0, len(found))
+	for s, keys := range found {
+		sub, err := v.state(ctx, s, keys)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, sub)
+	}
+	slices.SortFunc(out, func(a, b subject) int {
+		if c := cmp.Compare(b.backlog, a.backlog); c != 0 {
+			return c
+		}
+		return strings.Compare(a.Subject, b.Subject)
+	})
+	return out, nil
+}
+
+// state reads one subject's keys (period -> key) in one call.
+func (v *viewer) state(ctx context.Context, s string, byPeriod map[time.Duration]string) (subject, error) {
+	periods := make([]time.Duration, 0, len(byPeriod))
+	for p := range byPeriod {
+		periods = append(periods, p)
+	}
+	slices.Sort(periods) // the first limit's key (period 0) first
+	keys := make([]string, len(periods))
+	for i, p := range periods {
+		keys[i] = byPeriod[p]
+	}
+	limits := v.c.limits.match(periods)
+	st, err := v.eng.State(ctx, keys, limits)
+	if err != nil {
+		return subject{}, err
+	}
+	sub := subject{Subject: s, Backlog: duration(st.Backlog), backlog: st.Backlog}
+	if limits != nil {
+		w, a := duration(st.Wait), st.Available
+		sub.Wait, sub.NextFree, sub.Available = &w, st.NextFree, &a
+	}
+	for i, k := range st.Keys {
+		sub.Keys = append(sub.Keys, key{
+			Key: v.c.prefix + k.Key, Period: duration(periods[i]), Exists: k.Exists, TAT: k.TAT,
+			Backlog: duration(k.Backlog), TTL: duration(k.TTL),
+		})
+	}
+	return sub, nil
+}
+
+// frame is one inspect or watch reading, as JSON.
+type frame struct {
+	Name     string    `json:"name"`
+	At       time.Time `json:"at"`
+	Subjects int       `json:"subjects"` // found, before -top
+	Top      []subject `json:"top"`
+}
+
+func (v *viewer) print(out io.Writer, subjects []subject) error {
+	f := frame{Name: v.name, At: time.Now(), Subjects: len(subjects), Top: subjects}
+	if v.c.top > 0 && len(subjects) > v.c.top {
+		f.Top = subjects[:v.c.top]
+	}
+	if v.c.asJSON {
+		return json.NewEncoder(out).Encode(f)
+	}
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(tw, "%s: %d subjects (%s)\n", v.name, f.Subjects, f.At.Format(time.RFC3339))
+	fmt.Fprintln(tw, "SUBJECT\tBACKLOG\tWAIT\tNEXT FREE\tAVAILABLE\tKEY\tTTL")
+	for _, s := range f.Top {
+		wait, next, avail := "-", "-", "-"
+		if s.Wait != nil {
+			wait, next, avail = s.Wait.String(), s.NextFree.Format("15:04:05.000"), strconv.Itoa(*s.Available)
+		}
+		for i, k := range s.Keys {
+			ttl := k.TTL.String()
+			switch {
+			case !k.Exists:
+				ttl = "(idle)"
+			case k.TTL < 0:
+				ttl = "none"
+			}
+			if i == 0 {
+				fmt.Fprintf(tw, "%q\t%v\t%s\t%s\t%s\t%s\t%s\n", s.Subject, s.Backlog, wait, next, avail, k.Key, ttl)
+			} else {
+				fmt.Fprintf(tw, "\t\t\t\t\t%s\t%s\n", k.Key, ttl)
+			}
+		}
+	}
+	return tw.Flush()
+}
+
+// watch prints a reading every interval until ctx ends or count readings
+// are printed. On a terminal each reading replaces the last.
+func (v *viewer) watch(ctx context.Context, out io.Writer) error {
+	clear := false
+	if f, ok := out.(*os.File); ok && !v.c.asJSON {
+		if st, err := f.Stat(); err == nil && st.Mode()&os.ModeCharDevice != 0 {
+			clear = true
+		}
+	}
+	tick := time.NewTicker(v.c.interval)
+	defer tick.Stop()
+	for n := 1; ; n++ {
+		subjects, err := v.read(ctx, nil)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		if clear {
+			fmt.Fprint(out, "\x1b[H\x1b[2J")
+		}
+		if err := v.print(out, subjects); err != nil {
+			return err
+		}
+		if v.c.count > 0 && n >= v.c.count {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick.C:
+		}
+	}
+}
+
+// reset clears subject s in every limit whose key exists.
+func (v *viewer) reset(ctx context.Context, out io.Writer, s string) error {
+	if s == "" {
+		return fmt.Errorf("%w: empty subject", errUsage)
+	}
+	keys := []string{firstKey(v.name, s)}
+	found, err := v.db.scan(ctx, subjectPattern(v.c.prefix, v.name, s))
+	if err != nil {
+		return err
+	}
+	for _, full := range found {
+		if got, period, ok := parseKey(full, v.c.prefix, v.name); ok && got == s && period != 0 {
+			keys = append(keys, strings.TrimPrefix(full, v.c.prefix))
+		}
+	}
+	if err := v.eng.Reset(ctx, keys...); err != nil {
+		return err
+	}
+	if v.c.asJSON {
+		return json.NewEncoder(out).Encode(map[string]any{"name": v.name, "subject": s, "reset": keys})
+	}
+	fmt.Fprintf(out, "%s %q: reset (%s)\n", v.name, s, strings.Join(keys, ", "))
+	return nil
+}
+
+// limitFlags are the -limit flags: RATE/PERIOD[:BURST], the first limit
+// first (its key has no period suffix), then the others, matched to keys
+// by period.
+type limitFlags []throttle.Limit
+
+func (l *limitFlags) String() string { return fmt.Sprint([]throttle.Limit(*l)) }
+
+func (l *limitFlags) Set(s string) error {
+	spec, burstStr, hasBurst := strings.Cut(s, ":")
+	rateStr, periodStr, ok := strings.Cut(spec, "/")
+	if !ok {
+		return fmt.Errorf("limit %q: want RATE/PERIOD[:BURST], 10/1s:5", s)
+	}
+	rate, err := strconv.Atoi(rateStr)
+	if err != nil {
+		return fmt.Errorf("limit %q: rate: %w", s, err)
+	}
+	if !strings.ContainsAny(periodStr, "0123456789") {
+		periodStr = "1" + periodStr // "10/s"
+	}
+	period, err := time.ParseDuration(periodStr)
+	if err != nil {
+		return fmt.Errorf("limit %q: period: %w", s, err)
+	}
+	burst := 0
+	if hasBurst {
+		if burst, err = strconv.Atoi(burstStr); err != nil {
+			return fmt.Errorf("limit %q: burst: %w", s, err)
+		}
+	}
+	lim := throttle.Every(period, rate, burst)
+	if err := lim.Validate(); err != nil {
+		return fmt.Errorf("limit %q: %w", s, err)
+	}
+	*l = append(*l, lim)
+	return nil
+}
+
+// match returns the limits of a subject's keys, by period (0: the first
+// limit), or nil if any of them is not known.
+func (l limitFlags) match(periods []time.Duration) []throttle.Limit {
+	if len(l) == 0 {
+		return nil
+	}
+	out := make([]throttle.Limit, len(periods))
+	for i, p := range periods {
+		if p == 0 {
+			out[i] = l[0]
+			continue
+		}
+		k := slices.IndexFunc(l[1:], func(lim throttle.Limit) bool { return lim.Period == p })
+		if k < 0 {
+			return nil
+		}
+		out[i] = l[1+k]
+	}
+	return out
+}
