@@ -1,7 +1,8 @@
-// Command http-client calls a third-party API through an http.RoundTripper
-// that takes a slot of a shared quota before each request. When the API
-// answers 429 with Retry-After, every worker sharing the key pauses until
-// then: the pause is kept in Redis, not in one process.
+// Command http-client calls a third-party API through httplimit.Transport,
+// an http.RoundTripper that takes a slot of a shared quota before each
+// request. When the API answers 429 with Retry-After, every worker sharing
+// the key pauses until then: the pause is kept in Redis, not in one
+// process.
 //
 //	go run ./examples/http-client            # a local stand-in API and an embedded Redis
 //	go run ./examples/http-client -redis redis://127.0.0.1:6379/0
@@ -16,7 +17,6 @@ import (
 	"net/http/httptest"
 	"os"
 	"os/signal"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -24,63 +24,10 @@ import (
 	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/slotbook/slotbook/httplimit"
 	"github.com/slotbook/slotbook/reserve"
 	"github.com/slotbook/slotbook/throttle"
 )
-
-// Transport is an http.RoundTripper that books a slot of Limiter's quota
-// before each request, keyed by Key (default: the request's host). A 429
-// answer with a Retry-After header pauses the key for every process that
-// shares it: no slot is booked before then. (A request whose slot was
-// booked before the 429 still goes at its slot: at most one per waiting
-// worker.) It is safe for concurrent use.
-type Transport struct {
-	Base    http.RoundTripper // default http.DefaultTransport
-	Limiter *reserve.Limiter
-	Key     func(*http.Request) string
-}
-
-// RoundTrip implements http.RoundTripper.
-func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
-	key := req.URL.Host
-	if t.Key != nil {
-		key = t.Key(req)
-	}
-	if err := t.Limiter.Acquire(req.Context(), key); err != nil {
-		return nil, err
-	}
-	base := t.Base
-	if base == nil {
-		base = http.DefaultTransport
-	}
-	resp, err := base.RoundTrip(req)
-	if err != nil || resp.StatusCode != http.StatusTooManyRequests {
-		return resp, err
-	}
-	if d, ok := retryAfter(resp.Header.Get("Retry-After"), time.Now()); ok {
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(req.Context()), time.Second)
-		defer cancel()
-		if err := t.Limiter.Pause(ctx, key, d); err != nil {
-			resp.Body.Close()
-			return nil, fmt.Errorf("pausing %q after a 429: %w", key, err)
-		}
-	}
-	return resp, nil
-}
-
-// retryAfter parses a Retry-After header: delay-seconds or an HTTP date.
-func retryAfter(v string, now time.Time) (time.Duration, bool) {
-	if v == "" {
-		return 0, false
-	}
-	if s, err := strconv.Atoi(v); err == nil && s >= 0 {
-		return time.Duration(s) * time.Second, true
-	}
-	if t, err := http.ParseTime(v); err == nil {
-		return max(0, t.Sub(now)), true
-	}
-	return 0, false
-}
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
@@ -140,7 +87,11 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		if err != nil {
 			return err
 		}
-		client := &http.Client{Transport: &Transport{Limiter: lim}}
+		tr, err := httplimit.New(lim) // keyed by host; pauses on 429 and 503 with Retry-After
+		if err != nil {
+			return err
+		}
+		client := &http.Client{Transport: tr}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()

@@ -11,6 +11,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/slotbook/slotbook/httplimit"
 	"github.com/slotbook/slotbook/internal/limitcheck"
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/internal/timing"
@@ -20,7 +21,7 @@ import (
 
 func TestMain(m *testing.M) { redistest.Main(m) }
 
-// TestTransport: three workers with limiters of their own share one quota
+// TestTransport: three workers (httplimit.Transport) with limiters of their own share one quota
 // through Redis; after the API's 429 with Retry-After: 1, no request
 // booked once the pause is in place reaches the API for a second. A
 // request already booked before the 429 still goes at its slot: at most
@@ -79,7 +80,9 @@ func TestTransport(t *testing.T) {
 	for w := 0; w < 3; w++ {
 		lim, err := reserve.New(eng, "api", limit)
 		require.NoError(t, err)
-		client := &http.Client{Transport: &Transport{Base: sent, Limiter: lim}}
+		tr, err := httplimit.New(lim, httplimit.WithBase(sent))
+		require.NoError(t, err)
+		client := &http.Client{Transport: tr}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -155,24 +158,6 @@ func TestTransport(t *testing.T) {
 type roundTripFunc func(*http.Request) (*http.Response, error)
 
 func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
-
-func TestRetryAfter(t *testing.T) {
-	now := time.Date(2026, 12, 2, 12, 0, 0, 0, time.UTC)
-	for v, want := range map[string]time.Duration{
-		"3":                             3 * time.Second,
-		"0":                             0,
-		"Wed, 02 Dec 2026 12:00:10 GMT": 10 * time.Second,
-		"Wed, 02 Dec 2026 11:59:00 GMT": 0,
-	} {
-		got, ok := retryAfter(v, now)
-		require.True(t, ok, v)
-		require.Equal(t, want, got, v)
-	}
-	for _, v := range []string{"", "soon", "-1"} {
-		_, ok := retryAfter(v, now)
-		require.False(t, ok, v)
-	}
-}
 
 func TestRun(t *testing.T) {
 	var out syncBuffer
