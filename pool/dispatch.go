@@ -46,6 +46,9 @@ func (p *Pool) dispatch() {
 		case len(refunds) > 0:
 			p.giveBack(refunds)
 			continue
+		case len(batch) > 0 && p.sem != nil:
+			p.leaseAndBook(key, batch) // lease first, then the slot: see WithLease
+			continue
 		case len(batch) > 0:
 			p.book(key, batch)
 			continue

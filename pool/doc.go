@@ -19,6 +19,11 @@
 //     free workers, and waits until many workers are free before booking
 //     again unless few jobs are left booked: a backlog costs far fewer than
 //     one Redis call per job. Keys with backlog take turns.
+//   - Leases. With WithLease, a job also holds a lease of a
+//     lease.Semaphore for its key (at most N across every process): it
+//     takes the lease first, then books its slot alone (not in a batch),
+//     and gives the lease back when it is done or goes back to the
+//     backlog. See WithLease for why the lease comes first.
 //   - Refusals. A job whose slot would leave too little time before its
 //     context's deadline books nothing and ends with the refusal
 //     (deadline.ErrWouldExceedDeadline, carrying the exact retry-after). A

@@ -8,6 +8,7 @@ import (
 	"runtime/debug"
 	"time"
 
+	"github.com/slotbook/slotbook/lease"
 	"github.com/slotbook/slotbook/reserve"
 )
 
@@ -28,6 +29,7 @@ type Job struct {
 	index   int           // in the pool's slots heap, while booked
 	seq     uint64        // order of its booking among the pool's, once booked
 	res     *reserve.Reservation
+	lease   *lease.Lease // held from its grant until the job is done or back in the backlog (WithLease)
 	err     error
 	started time.Time
 }

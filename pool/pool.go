@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"sync"
 
+	"github.com/slotbook/slotbook/lease"
 	"github.com/slotbook/slotbook/reserve"
 )
 
@@ -24,6 +25,7 @@ const DefaultWorkers = 10
 // Close; the zero Pool is not usable.
 type Pool struct {
 	lim       *reserve.Limiter
+	sem       *lease.Semaphore // nil: no lease (see WithLease)
 	workers   int
 	lowBooked int // book again when no more than this many are booked
 	batchMin  int // ... or when at least this many workers are free
@@ -156,7 +158,15 @@ func (p *Pool) Acquire(ctx context.Context, key string) (release func(), err err
 	if err := p.acquireWorker(ctx); err != nil {
 		return nil, err
 	}
+	dropLease, err := p.takeLease(ctx, key) // first the lease, then the slot: see WithLease
+	if err != nil {
+		p.mu.Lock()
+		p.putWorkerLocked()
+		p.mu.Unlock()
+		return nil, err
+	}
 	giveBack := func() {
+		dropLease()
 		p.mu.Lock()
 		p.putWorkerLocked()
 		p.mu.Unlock()

@@ -91,6 +91,10 @@ func (p *Pool) moveLocked(j *Job, to jobState, err error) {
 		p.takeWorkerLocked()
 	}
 
+	if to == done || to == queued {
+		p.releaseLeaseLocked(j)
+	}
+
 	// Enter to.
 	j.state = to
 	switch to {

@@ -1,0 +1,94 @@
+// Package lease limits concurrency across processes: at most N holders per
+// key at once, in every process that shares a Redis, an engine prefix and a
+// semaphore name. It complements package reserve, which limits the rate.
+//
+//	sem, err := lease.New(eng, "partner", 5, lease.WithTTL(30*time.Second))
+//	l, err := sem.Acquire(ctx, "tenant-42") // waits, first come first served
+//	if err != nil { return err }
+//	defer l.Release(ctx)
+//
+// # Leases
+//
+// A lease lives for the TTL unless extended. Each Semaphore runs one
+// goroutine per key it holds or waits for (its keeper), which extends all
+// of the process's leases of that key in one Redis call every TTL/3. A
+// process that dies stops extending, and its leases lapse within the TTL
+// of their last extension; the next call on the key drops them (counted by
+// Observer.ObserveExpired). A holder that stalls for longer than the TTL
+// finds its lease lost (Lease.Lost is closed, Release returns ErrLost).
+// Each lease carries a fencing token, larger than every token granted
+// before it for the key, for resources that must refuse a holder whose
+// lease has lapsed.
+//
+// # Waiting
+//
+// Waiters join a queue in Redis (a sorted set scored by arrival) and are
+// served in arrival order across every process: a release hands its lease
+// to the head of the queue inside the same script, so no waiter has to
+// ask again. The grant wakes the waiter's process through a per-process
+// list of the key, on which the process's keeper blocks (BLPOP), one
+// blocked connection per process and key with waiters, not one per
+// waiter; a grant to a waiter of the calling process comes back in the
+// reply itself. A list was chosen over pub/sub because a pushed wake-up
+// waits in the list until it is read, so a wake-up sent while its reader
+// was between two reads is not lost; BLPOP on a hash-tagged key is routed
+// to the key's node of a Redis Cluster like any command (pub/sub needs a
+// dedicated connection per process, and sharded channels on a Cluster);
+// and a release wakes only the process it granted to, never every
+// waiter. As a fallback for a wake-up lost all the same (a process that
+// restarted its connection), the keeper polls every poll interval (at
+// most TTL/3 and 1 s by default) with the same call that refreshes its
+// waiters in the queue; waiters whose process stops refreshing them leave
+// the queue within the TTL, so a dead process cannot block it.
+//
+// A waiter whose context ends leaves the queue in one call; if it was
+// granted a lease meanwhile, that call gives the lease back, so a waiter
+// that returns an error never holds a lease.
+//
+// # Cost
+//
+// Acquire without contention is one Redis call, Release one. A waiter
+// adds the blocking read that wakes it, shared with its process's other
+// waiters of the key, and the polls while it waits. Extensions are one
+// call per process and key every TTL/3, however many leases it holds.
+// The blocking read takes a connection of the client's pool (outside the
+// engine's gate) for up to a second at a time, for each key the process
+// has waiters for: size the client's PoolSize for the engine's calls plus
+// the keys waited on at once.
+//
+// # Keys
+//
+// For subject key under name, the keys are name:{key}:lease:h (holders
+// scored by expiry), :t (tokens), :q (queue), :w (waiters by expiry),
+// :n:<process> (wake-up lists) and :c (the counter of arrivals and
+// tokens), under the engine's prefix. They share the hash tag {key}, the
+// rate keys' tag, so a Redis Cluster holds them on one node, and all but
+// the counter expire when the subject is idle. The counter is kept so
+// that tokens stay monotonic; it is one small integer per subject ever
+// leased.
+//
+// # Rate and concurrency together
+//
+// Take the lease first, then the slot (pool.WithLease and
+// asynqadapter.LeaseMiddleware do so). Booking a slot and then waiting for
+// a lease lets the slot pass unused and, when leases come back, starts the
+// jobs whose slots have passed all at once: a burst the rate limit never
+// granted. Holding a lease while sleeping until the slot keeps both limits
+// exact; what it wastes is the lease's idle time, which the rate
+// limiter's max wait bounds.
+//
+// # Errors
+//
+// Bad input (a nil engine, an empty name, N <= 0, a TTL under MinTTL, an
+// empty key) is an error matching ErrInvalid, and no Redis call is made.
+// Redis failures are the engine's (throttle.ErrUnavailable,
+// throttle.ErrReplyLost), wrapped; an Acquire whose reply was lost leaves
+// the queue before it returns. ErrClosed is returned once the Semaphore
+// is closed.
+//
+// # Metrics
+//
+// WithObserver reports leases held and waiters (per process), wait times,
+// and leases that lapsed because their holder stopped extending them.
+// NewCollector returns an Observer that keeps them as Prometheus metrics.
+package lease

@@ -1,0 +1,499 @@
+package lease
+
+import (
+	"context"
+	"crypto/rand"
+	_ "embed"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/slotbook/slotbook/throttle"
+)
+
+var (
+	//go:embed scripts/common.lua
+	commonSrc string
+	//go:embed scripts/acquire.lua
+	acquireSrc string
+	//go:embed scripts/release.lua
+	releaseSrc string
+	//go:embed scripts/leave.lua
+	leaveSrc string
+	//go:embed scripts/keep.lua
+	keepSrc string
+
+	acquireScript = throttle.NewScript(commonSrc + acquireSrc)
+	releaseScript = throttle.NewScript(commonSrc + releaseSrc)
+	leaveScript   = throttle.NewScript(commonSrc + leaveSrc)
+	keepScript    = throttle.NewScript(commonSrc + keepSrc)
+	wakeScript    = throttle.NewScript("redis.call('RPUSH', KEYS[1], '') redis.call('PEXPIRE', KEYS[1], ARGV[1]) return 1")
+)
+
+// ErrInvalid is matched by the errors for bad input: a nil engine, an
+// empty name, N <= 0, a TTL or poll interval out of range, an empty or
+// over-long key. No Redis call is made for such input.
+var ErrInvalid = errors.New("lease: invalid argument")
+
+// ErrClosed is returned by Acquire and TryAcquire once the Semaphore is
+// closed, also to callers still waiting.
+var ErrClosed = errors.New("lease: semaphore closed")
+
+// ErrLost is returned by Release for a lease that had lapsed before it was
+// released: it was not extended in time (the process stalled, or Redis was
+// unreachable, for longer than the TTL), so another holder may have run
+// alongside it. Lease.Lost is closed when the lapse is found.
+var ErrLost = errors.New("lease: lease lapsed before it was released")
+
+// Defaults and bounds for New.
+const (
+	DefaultTTL = 30 * time.Second
+	// MinTTL is the shortest TTL New accepts: the lease is extended every
+	// TTL/3, which must leave room for a Redis round trip.
+	MinTTL = 30 * time.Millisecond
+	// MaxPoll bounds the default fallback poll: while a process has
+	// waiters for a key it asks Redis at least this often (and at least
+	// every TTL/3) whether one of them was granted a lease whose wake-up
+	// it missed.
+	MaxPoll = time.Second
+)
+
+// maxSubject bounds a key's length so that every engine key built on it
+// stays within throttle.MaxKeyLen.
+const maxSubject = throttle.MaxKeyLen - 64
+
+// A Semaphore allows at most N leases per key at once, across every process
+// that builds one with the same engine prefix and name: a distributed
+// counting semaphore whose permits lapse unless their holder keeps them.
+//
+// A Semaphore is safe for concurrent use. Build one with New and stop it
+// with Close; the zero Semaphore is not usable.
+type Semaphore struct {
+	eng    *throttle.Engine
+	name   string
+	n      int
+	ttl    time.Duration
+	poll   time.Duration
+	obs    Observer
+	proc   string  // this Semaphore's id in Redis: lease ids are proc.n
+	blpop  blocker // nil: no blocking wait, the poll alone finds grants
+	quit   chan struct{}
+	keeper sync.WaitGroup // the rooms' keepers
+
+	mu     sync.Mutex       // guards the fields below, and every room and Lease
+	rooms  map[string]*room // by key: the keys this process holds or waits for
+	seq    uint64           // numbers lease ids
+	closed bool
+}
+
+// blocker is what the wake-up needs of the go-redis clients (Client,
+// ClusterClient, Ring): sending a command of its own making. (Their BLPop
+// method rounds a timeout under a second up to a second.)
+type blocker interface {
+	Process(ctx context.Context, cmd redis.Cmder) error
+}
+
+// An Option configures a Semaphore in New.
+type Option func(*Semaphore) error
+
+// WithTTL sets how long a lease lives unless extended (default DefaultTTL,
+// at least MinTTL). Held leases are extended every TTL/3, so a process
+// that dies frees its leases within the TTL of its last extension.
+func WithTTL(d time.Duration) Option {
+	return func(s *Semaphore) error {
+		if d < MinTTL {
+			return fmt.Errorf("%w: TTL %v (at least %v)", ErrInvalid, d, MinTTL)
+		}
+		s.ttl = d
+		return nil
+	}
+}
+
+// WithPollInterval sets the fallback poll: how often, while a process has
+// waiters for a key, it asks Redis whether they were granted a lease, in
+// case a wake-up was lost (default the shorter of TTL/3 and MaxPoll; it
+// may not exceed TTL/3, since the same call keeps the waiters in the
+// queue).
+func WithPollInterval(d time.Duration) Option {
+	return func(s *Semaphore) error {
+		if d <= 0 {
+			return fmt.Errorf("%w: poll interval %v", ErrInvalid, d)
+		}
+		s.poll = d
+		return nil
+	}
+}
+
+// WithObserver reports the semaphore's work to o (NewCollector returns one
+// for Prometheus).
+func WithObserver(o Observer) Option {
+	return func(s *Semaphore) error {
+		if o == nil {
+			return fmt.Errorf("%w: nil observer", ErrInvalid)
+		}
+		s.obs = o
+		return nil
+	}
+}
+
+// New returns a Semaphore of n leases per key, named name (which
+// namespaces its keys in Redis, beside the rate keys of a reserve.Limiter
+// of the same name, and labels its metrics). Every process sharing the
+// limit must use the same engine prefix, name and n. New makes no network
+// call; it returns an error matching ErrInvalid for bad input.
+func New(eng *throttle.Engine, name string, n int, opts ...Option) (*Semaphore, error) {
+	switch {
+	case eng == nil:
+		return nil, fmt.Errorf("%w: nil engine", ErrInvalid)
+	case name == "" || strings.ContainsAny(name, "{}"):
+		return nil, fmt.Errorf("%w: name %q (want a non-empty name without braces)", ErrInvalid, name)
+	case n <= 0:
+		return nil, fmt.Errorf("%w: n = %d leases (want at least 1)", ErrInvalid, n)
+	}
+	var id [8]byte
+	if _, err := rand.Read(id[:]); err != nil {
+		return nil, fmt.Errorf("lease: process id: %w", err)
+	}
+	s := &Semaphore{
+		eng: eng, name: name, n: n, ttl: DefaultTTL, obs: nopObserver{},
+		proc: hex.EncodeToString(id[:]), quit: make(chan struct{}), rooms: make(map[string]*room),
+	}
+	for _, opt := range opts {
+		if err := opt(s); err != nil {
+			return nil, err
+		}
+	}
+	if s.poll == 0 {
+		s.poll = min(s.ttl/3, MaxPoll)
+	}
+	if s.poll > s.ttl/3 {
+		return nil, fmt.Errorf("%w: poll interval %v longer than TTL/3 = %v", ErrInvalid, s.poll, s.ttl/3)
+	}
+	s.blpop, _ = eng.Client().(blocker)
+	return s, nil
+}
+
+// Load sends the semaphore's scripts to Redis, so that the first calls do
+// not pay for a NOSCRIPT round trip each. Calling it is optional.
+func (s *Semaphore) Load(ctx context.Context) error {
+	for _, sc := range []*throttle.Script{acquireScript, releaseScript, leaveScript, keepScript, wakeScript} {
+		if err := s.eng.LoadScript(ctx, sc); err != nil {
+			return fmt.Errorf("lease: load scripts: %w", err)
+		}
+	}
+	return nil
+}
+
+// Name returns the semaphore's name.
+func (s *Semaphore) Name() string { return s.name }
+
+// N returns the most leases held at once per key.
+func (s *Semaphore) N() int { return s.n }
+
+// TTL returns how long a lease lives unless extended.
+func (s *Semaphore) TTL() time.Duration { return s.ttl }
+
+// CheckKey reports whether key is acceptable: not empty, not too long, and
+// with no braces that would leave its Redis keys without a hash tag. The
+// error matches ErrInvalid.
+func (s *Semaphore) CheckKey(key string) error {
+	if key == "" {
+		return fmt.Errorf("%w: empty key", ErrInvalid)
+	}
+	if len(s.name)+len(key) > maxSubject {
+		return fmt.Errorf("%w: key of %d bytes", ErrInvalid, len(key))
+	}
+	if err := throttle.CheckKey(s.keys(key)[0]); err != nil { // braces that leave no hash tag
+		return fmt.Errorf("%w: key %q: %w", ErrInvalid, key, err)
+	}
+	return nil
+}
+
+// keys returns the engine keys (before the engine's prefix) of key:
+// "name:{key}:lease:h" and so on, hash-tagged by the subject like the
+// rate keys, so that a Redis Cluster holds them on one node.
+func (s *Semaphore) keys(key string) []string {
+	base := s.name + ":{" + key + "}:lease:"
+	return []string{base + "h", base + "t", base + "q", base + "w", base + "c", base + "n:"}
+}
+
+// A Lease is one of a Semaphore's N places for a key, held until Release
+// (or until it lapses: see Lost). Its methods are safe for concurrent use.
+type Lease struct {
+	sem   *Semaphore
+	key   string
+	id    string
+	token int64
+	lost  chan struct{} // closed when the lease is found lapsed
+
+	// Guarded by sem.mu.
+	released bool
+	wasLost  bool
+}
+
+// Key returns the key the lease is for.
+func (l *Lease) Key() string { return l.key }
+
+// Token returns the lease's fencing token: it is larger than the token of
+// every lease granted for the same key (name and prefix) before it, by
+// any process. A resource that remembers the largest token it has seen
+// can refuse a holder whose lease lapsed while it stalled.
+func (l *Lease) Token() int64 { return l.token }
+
+// Lost is closed if the lease is found to have lapsed before it was
+// released (an extension came too late): the holder should stop, since
+// another may now hold its place.
+func (l *Lease) Lost() <-chan struct{} { return l.lost }
+
+// Release gives the lease back and wakes the next waiter, in one Redis
+// call. It returns ErrLost if the lease had lapsed, and nil if it was
+// released before. If the call fails, the lease is no longer extended and
+// lapses after the TTL.
+func (l *Lease) Release(ctx context.Context) error {
+	s := l.sem
+	s.mu.Lock()
+	if l.released {
+		s.mu.Unlock()
+		return nil
+	}
+	l.released = true
+	wasLost := l.wasLost
+	if r := s.rooms[l.key]; r != nil && r.holds[l.id] == l {
+		delete(r.holds, l.id)
+		s.obs.ObserveHeld(s.name, -1)
+	}
+	s.mu.Unlock()
+	if wasLost {
+		return ErrLost
+	}
+	reply, err := s.run(ctx, releaseScript, l.key, l.id)
+	if err != nil {
+		return fmt.Errorf("lease: release %q: %w", l.key, err)
+	}
+	if reply.status == 0 {
+		s.markLost(l)
+		return ErrLost
+	}
+	return nil
+}
+
+// markLost closes l.lost once.
+func (s *Semaphore) markLost(l *Lease) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !l.wasLost {
+		l.wasLost = true
+		close(l.lost)
+	}
+}
+
+// Acquire waits for a lease for key and returns it. Waiters are served
+// first come, first served across every process: a waiter joins a queue
+// in Redis, and a release hands the lease to the head of the queue and
+// wakes its process. If ctx ends first, the waiter leaves the queue (and
+// gives back a lease granted meanwhile) and Acquire returns ctx's error.
+//
+// Without contention Acquire is one Redis call; a waiter costs one more,
+// shared with the other waiters of its process for the key (the blocking
+// read of its wake-up list), plus the fallback poll while it waits.
+func (s *Semaphore) Acquire(ctx context.Context, key string) (*Lease, error) {
+	l, _, err := s.acquire(ctx, key, "wait")
+	return l, err
+}
+
+// TryAcquire takes a lease for key if one is free and nobody is waiting
+// for one, without waiting; ok reports whether it did. A full key is not
+// an error: l is nil, ok false and err nil.
+func (s *Semaphore) TryAcquire(ctx context.Context, key string) (l *Lease, ok bool, err error) {
+	l, ok, err = s.acquire(ctx, key, "try")
+	return l, ok, err
+}
+
+func (s *Semaphore) acquire(ctx context.Context, key, mode string) (*Lease, bool, error) {
+	if err := s.CheckKey(key); err != nil {
+		return nil, false, err
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, false, err
+	}
+	start := time.Now()
+	w, err := s.enter(key)
+	if err != nil {
+		return nil, false, err
+	}
+	if _, err := s.run(ctx, acquireScript, key, w.id, mode); err != nil {
+		s.abandon(key, w, errors.Is(err, throttle.ErrReplyLost))
+		err = fmt.Errorf("lease: acquire %q: %w", key, err)
+		s.obs.ObserveWait(s.name, time.Since(start), err)
+		return nil, false, err
+	}
+	if mode == "try" {
+		select {
+		case l := <-w.grant:
+			s.obs.ObserveWait(s.name, time.Since(start), nil)
+			return l, true, nil
+		default: // not granted: it never joined the queue
+			s.abandon(key, w, false)
+			return nil, false, nil
+		}
+	}
+	s.queued(key, w)
+	select {
+	case l := <-w.grant:
+		select {
+		case <-s.quit: // granted as Close began: never hand out a lease Close may not release
+			rctx, cancel := s.detach(ctx)
+			_ = l.Release(rctx)
+			cancel()
+			s.obs.ObserveWait(s.name, time.Since(start), ErrClosed)
+			return nil, false, ErrClosed
+		default:
+		}
+		s.obs.ObserveWait(s.name, time.Since(start), nil)
+		return l, true, nil
+	case <-ctx.Done():
+		err = ctx.Err()
+	case <-s.quit:
+		err = ErrClosed
+	}
+	s.abandon(key, w, true)
+	s.obs.ObserveWait(s.name, time.Since(start), err)
+	return nil, false, err
+}
+
+// Close stops the semaphore: waiting Acquire callers get ErrClosed (and
+// leave the queue), held leases are released (their Release is then a
+// no-op) and no longer extended, and Close waits for the
+// goroutines that extend leases and wake waiters, or for ctx to end. It
+// returns the first error of a release. Close is idempotent.
+func (s *Semaphore) Close(ctx context.Context) error {
+	s.mu.Lock()
+	if !s.closed {
+		s.closed = true
+		close(s.quit)
+	}
+	var held []*Lease
+	var blocked []string
+	for _, r := range s.rooms {
+		for _, l := range r.holds {
+			held = append(held, l)
+		}
+		if r.blocking {
+			blocked = append(blocked, r.key)
+		}
+	}
+	s.mu.Unlock()
+	s.wakeBlocked(ctx, blocked)
+	var errs []error
+	for _, l := range held {
+		if err := l.Release(ctx); err != nil && !errors.Is(err, ErrLost) {
+			errs = append(errs, err)
+		}
+	}
+	stopped := make(chan struct{})
+	go func() { s.keeper.Wait(); close(stopped) }()
+	select {
+	case <-stopped:
+	case <-ctx.Done():
+		errs = append(errs, ctx.Err())
+	}
+	return errors.Join(errs...)
+}
+
+// reply is a lease script's answer.
+type reply struct {
+	status  int64
+	expired int64
+	grants  []grant  // to this process's waiters
+	extra   []string // keep: the held leases found lapsed
+}
+
+type grant struct {
+	id    string
+	token int64
+}
+
+// run runs script for key with the common arguments, then id-specific
+// ones, hands the grants it reports to their waiters, and reports the
+// lapsed leases it swept.
+func (s *Semaphore) run(ctx context.Context, script *throttle.Script, key string, args ...any) (reply, error) {
+	all := append([]any{s.proc, s.n, s.ttl.Microseconds()}, args...)
+	raw, err := s.eng.RunScript(ctx, script, s.keys(key), all...)
+	if err != nil {
+		return reply{}, err
+	}
+	r, err := parse(raw)
+	if err != nil {
+		return reply{}, fmt.Errorf("lease: %q: %w", key, err)
+	}
+	if r.expired > 0 {
+		s.obs.ObserveExpired(s.name, int(r.expired))
+	}
+	s.deliver(key, r.grants)
+	return r, nil
+}
+
+// parse checks a script's reply: {status, expired, {id, token...}, {id...}}.
+func parse(raw any) (reply, error) {
+	arr, ok := raw.([]any)
+	if !ok || len(arr) != 4 {
+		return reply{}, fmt.Errorf("unexpected reply %T %v, want an array of 4", raw, raw)
+	}
+	var r reply
+	if r.status, ok = arr[0].(int64); !ok {
+		return reply{}, fmt.Errorf("unexpected status %T", arr[0])
+	}
+	if r.expired, ok = arr[1].(int64); !ok {
+		return reply{}, fmt.Errorf("unexpected expired count %T", arr[1])
+	}
+	gs, ok := arr[2].([]any)
+	if !ok || len(gs)%2 != 0 {
+		return reply{}, fmt.Errorf("unexpected grants %T %v", arr[2], arr[2])
+	}
+	for i := 0; i < len(gs); i += 2 {
+		id, ok1 := gs[i].(string)
+		token, ok2 := gs[i+1].(int64)
+		if !ok1 || !ok2 {
+			return reply{}, fmt.Errorf("unexpected grant %T %T", gs[i], gs[i+1])
+		}
+		r.grants = append(r.grants, grant{id, token})
+	}
+	ex, ok := arr[3].([]any)
+	if !ok {
+		return reply{}, fmt.Errorf("unexpected lost list %T", arr[3])
+	}
+	for _, v := range ex {
+		id, ok := v.(string)
+		if !ok {
+			return reply{}, fmt.Errorf("unexpected lost id %T", v)
+		}
+		r.extra = append(r.extra, id)
+	}
+	return r, nil
+}
+
+// parseWake parses a wake-up list entry, "id token".
+func parseWake(v string) (grant, bool) {
+	id, tok, ok := strings.Cut(v, " ")
+	if !ok {
+		return grant{}, false
+	}
+	token, err := strconv.ParseInt(tok, 10, 64)
+	if err != nil {
+		return grant{}, false
+	}
+	return grant{id, token}, true
+}
+
+// detach returns a context for a call that must go out although the
+// caller's context has ended (a waiter leaving the queue): the caller's
+// values, and a bound of its own.
+func (s *Semaphore) detach(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), max(time.Second, 4*s.eng.Timeout()))
+}

@@ -1,0 +1,277 @@
+package lease
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// A room is what one Semaphore holds and waits for on one key. It exists,
+// in Semaphore.rooms, while it has a holder or a waiter, and its keeper
+// goroutine runs while it exists. Every field is guarded by the
+// Semaphore's mu.
+type room struct {
+	key     string
+	waiters map[string]*waiter // by id: Acquire callers whose lease is not yet granted
+	holds   map[string]*Lease  // by id: leases held, extended by the keeper
+	wake    chan struct{}      // cap 1: a waiter arrived (the keeper starts blocking for wake-ups)
+	// blocking is set while the keeper blocks on the wake-up list (up to
+	// the poll interval): Close pushes an empty wake-up to end it.
+	blocking bool
+}
+
+// A waiter is one Acquire call. A grant moves it from its room's waiters to
+// its holds and sends the Lease on grant; giving up (abandon) takes it out
+// of waiters; each happens once, under the Semaphore's mu, whichever is
+// first.
+type waiter struct {
+	id     string
+	grant  chan *Lease // cap 1
+	queued bool        // its acquire call has answered and it waits in the queue
+}
+
+// enter registers a new waiter for key, creating the key's room (and
+// starting its keeper) if it has none.
+func (s *Semaphore) enter(key string) (*waiter, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, ErrClosed
+	}
+	r := s.rooms[key]
+	if r == nil {
+		r = &room{key: key, waiters: make(map[string]*waiter), holds: make(map[string]*Lease), wake: make(chan struct{}, 1)}
+		s.rooms[key] = r
+		s.keeper.Add(1)
+		go s.keep(r)
+	}
+	s.seq++
+	w := &waiter{id: s.proc + "." + strconv.FormatUint(s.seq, 36), grant: make(chan *Lease, 1)}
+	r.waiters[w.id] = w
+	s.obs.ObserveWaiting(s.name, 1)
+	return w, nil
+}
+
+// queued records that w's acquire call has answered without granting it a
+// lease: it waits in the queue, and its room's keeper starts blocking for
+// wake-ups and polling.
+func (s *Semaphore) queued(key string, w *waiter) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r := s.rooms[key]
+	if r == nil || r.waiters[w.id] != w {
+		return // granted already
+	}
+	w.queued = true
+	select {
+	case r.wake <- struct{}{}:
+	default:
+	}
+}
+
+// waitingLocked reports whether r has a waiter in the queue. s.mu is held.
+func (r *room) waitingLocked() bool {
+	for _, w := range r.waiters {
+		if w.queued {
+			return true
+		}
+	}
+	return false
+}
+
+// deliver hands each grant to its waiter, if it is still waiting; a grant
+// for a waiter that has given up is left to that waiter's leave call,
+// which gives it back.
+func (s *Semaphore) deliver(key string, gs []grant) {
+	if len(gs) == 0 {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r := s.rooms[key]
+	if r == nil {
+		return
+	}
+	for _, g := range gs {
+		w := r.waiters[g.id]
+		if w == nil {
+			continue // given up, or delivered already
+		}
+		delete(r.waiters, g.id)
+		l := &Lease{sem: s, key: key, id: g.id, token: g.token, lost: make(chan struct{})}
+		r.holds[g.id] = l
+		s.obs.ObserveWaiting(s.name, -1)
+		s.obs.ObserveHeld(s.name, 1)
+		w.grant <- l // cap 1, sent once
+	}
+}
+
+// abandon takes w out of its room: a caller that gives up, or a TryAcquire
+// that found no room. If leave, it then tells Redis, so that w leaves the
+// queue and a lease granted to it meanwhile is given back.
+func (s *Semaphore) abandon(key string, w *waiter, leave bool) {
+	s.mu.Lock()
+	r := s.rooms[key] // nil only if w's lease was granted and then found lapsed
+	if r != nil && r.waiters[w.id] == w {
+		delete(r.waiters, w.id)
+		s.obs.ObserveWaiting(s.name, -1)
+	} else {
+		// Granted as it gave up: the lease is on w.grant (and in holds,
+		// unless the keeper has found it lapsed).
+		l := <-w.grant
+		l.released = true
+		if r != nil && r.holds[l.id] == l {
+			delete(r.holds, l.id)
+			s.obs.ObserveHeld(s.name, -1)
+		}
+		leave = true
+	}
+	s.mu.Unlock()
+	if !leave {
+		return
+	}
+	ctx, cancel := s.detach(context.Background())
+	defer cancel()
+	// If this fails, the waiter (no longer refreshed) leaves the queue,
+	// and its lease (no longer extended) lapses, within the TTL.
+	_, _ = s.run(ctx, leaveScript, key, w.id)
+}
+
+// keep is a room's keeper: while the room exists it extends its leases
+// every TTL/3 and, while it has waiters, blocks on the process's wake-up
+// list for the key, running the keep call (which also refreshes the
+// waiters and finds grants whose wake-up was lost) every poll interval.
+func (s *Semaphore) keep(r *room) {
+	defer s.keeper.Done()
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	last := time.Now()
+	wakeList := s.eng.Prefix() + s.keys(r.key)[5] + s.proc
+	for {
+		s.mu.Lock()
+		if len(r.waiters) == 0 && len(r.holds) == 0 {
+			delete(s.rooms, r.key)
+			s.mu.Unlock()
+			return
+		}
+		waiting := r.waitingLocked()
+		r.blocking = waiting && s.blpop != nil && !s.closed
+		block := r.blocking
+		s.mu.Unlock()
+
+		interval := s.ttl / 3
+		if waiting {
+			interval = s.poll
+		}
+		until := time.Until(last.Add(interval))
+		if until <= 0 {
+			last = time.Now()
+			s.keepCall(r)
+			continue
+		}
+		if block {
+			s.block(wakeList, r.key, until)
+			s.mu.Lock()
+			r.blocking = false
+			s.mu.Unlock()
+			continue
+		}
+		timer.Reset(until)
+		select {
+		case <-timer.C:
+		case <-r.wake:
+			if !timer.Stop() {
+				<-timer.C
+			}
+		case <-s.quit:
+			if !timer.Stop() {
+				<-timer.C
+			}
+			// Close releases the holds and the waiters leave: wait for
+			// the room to empty, briefly, rather than spinning.
+			select {
+			case <-time.After(10 * time.Millisecond):
+			case <-r.wake:
+			}
+		}
+	}
+}
+
+// wakeBlocked ends the blocking reads of the keepers that block on a
+// wake-up list (at Close), with an empty wake-up each.
+func (s *Semaphore) wakeBlocked(ctx context.Context, keys []string) {
+	for _, key := range keys {
+		ctx, cancel := s.detach(ctx)
+		_, _ = s.eng.RunScript(ctx, wakeScript, []string{s.keys(key)[5] + s.proc}, s.ttl.Milliseconds()+1000)
+		cancel()
+	}
+}
+
+// maxBlock bounds one blocking read of the wake-up list: well inside the
+// go-redis clients' default ReadTimeout (3 s), which bounds it too.
+const maxBlock = time.Second
+
+// block waits up to d (at most maxBlock) for a wake-up on list and
+// delivers it.
+func (s *Semaphore) block(list, key string, d time.Duration) {
+	d = min(max(d, 10*time.Millisecond), maxBlock) // BLPOP's 0 is forever
+	ctx, cancel := context.WithTimeout(context.Background(), d+time.Second+4*s.eng.Timeout())
+	defer cancel()
+	cmd := redis.NewStringSliceCmd(ctx, "blpop", list, strconv.FormatFloat(d.Seconds(), 'f', 3, 64))
+	_ = s.blpop.Process(ctx, cmd)
+	vals, err := cmd.Result()
+	switch {
+	case errors.Is(err, redis.Nil): // timed out: the poll comes next
+	case err != nil:
+		// Redis unreachable: wait out the interval rather than spin; the
+		// keep call reports it.
+		select {
+		case <-time.After(d):
+		case <-s.quit:
+		}
+	case len(vals) == 2:
+		if g, ok := parseWake(vals[1]); ok {
+			s.deliver(key, []grant{g})
+		}
+	}
+}
+
+// keepCall extends r's leases and refreshes its waiters in one call,
+// delivering grants and closing Lost for the leases that lapsed.
+func (s *Semaphore) keepCall(r *room) {
+	s.mu.Lock()
+	args := []any{len(r.holds)}
+	for id := range r.holds {
+		args = append(args, id)
+	}
+	for id, w := range r.waiters {
+		if w.queued {
+			args = append(args, id)
+		}
+	}
+	s.mu.Unlock()
+	if len(args) == 1 {
+		return
+	}
+	ctx, cancel := s.detach(context.Background())
+	defer cancel()
+	rep, err := s.run(ctx, keepScript, r.key, args...)
+	if err != nil {
+		return // tried again at the next interval; the TTL allows two misses
+	}
+	for _, id := range rep.extra {
+		s.mu.Lock()
+		l := r.holds[id]
+		if l != nil {
+			delete(r.holds, id)
+			s.obs.ObserveHeld(s.name, -1)
+		}
+		s.mu.Unlock()
+		if l != nil {
+			s.markLost(l)
+		}
+	}
+}

@@ -1,0 +1,17 @@
+-- leave.lua: ARGV[4] the id of a waiter that gives up. It leaves the
+-- queue; if it was granted meanwhile, the lease is given back (and its
+-- wake-up, if one was pushed, taken off the list), so that a waiter that
+-- gave up never holds a lease. Status 1 if it had been granted.
+sweep()
+local id = ARGV[4]
+redis.call('ZREM', Q, id)
+redis.call('ZREM', W, id)
+local token = redis.call('HGET', T, id)
+local was = redis.call('ZREM', H, id)
+redis.call('HDEL', T, id)
+if token then
+  local n = NB .. owner(id)
+  redis.call('LREM', n, 0, id .. ' ' .. token)
+end
+admit()
+return finish(was)

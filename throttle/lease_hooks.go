@@ -1,0 +1,53 @@
+package throttle
+
+import (
+	"context"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// A Script is a Lua script of another package (package lease has some)
+// that runs through an Engine with RunScript, as the engine's own scripts
+// do. Build one with NewScript; it is safe for concurrent use.
+type Script struct{ s *script }
+
+// NewScript returns a Script of the Lua source src.
+func NewScript(src string) *Script { return &Script{s: newScript(src)} }
+
+// RunScript runs s on keys (before the engine's prefix, which RunScript
+// puts before each) with args, as the engine runs its own scripts: through
+// the breaker, within the engine's timeout, never retried by go-redis once
+// it may have reached Redis, reported to the observer under the label of
+// keys[0], and with its error classified as the package doc describes
+// (ErrUnavailable, ErrReplyLost). The keys must share a hash tag if there
+// are several; keys[0] must pass CheckKey.
+func (e *Engine) RunScript(ctx context.Context, s *Script, keys []string, args ...any) (any, error) {
+	if len(keys) == 0 {
+		return nil, ErrInvalidRequest
+	}
+	if err := CheckKey(keys[0]); err != nil {
+		return nil, err
+	}
+	return e.runReply(ctx, s.s, keys, args)
+}
+
+// LoadScript sends s to Redis, so that its first run does not pay for a
+// NOSCRIPT round trip (on a Cluster, to the node the client picks). It is
+// optional.
+func (e *Engine) LoadScript(ctx context.Context, s *Script) error {
+	ctx, cancel := e.callContext(ctx)
+	defer cancel()
+	return s.s.Load(ctx, e.rdb).Err()
+}
+
+// Client returns the Redis client the engine was built with, for packages
+// that need commands besides scripts (package lease blocks on a list with
+// BLPOP, which must not count against the engine's timeout).
+func (e *Engine) Client() redis.Scripter { return e.rdb }
+
+// Prefix returns the prefix the engine puts before every key.
+func (e *Engine) Prefix() string { return e.prefix }
+
+// Timeout returns the bound the engine puts on each Redis call (0: none).
+func (e *Engine) Timeout() time.Duration { return e.timeout }
