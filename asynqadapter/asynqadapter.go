@@ -4,25 +4,72 @@
 //
 // Wire it in three lines:
 //
-//	mux.Use(asynqadapter.Middleware(lim))                          // lim: a *reserve.Limiter
+//	mw, err := asynqadapter.NewMiddleware(lim)                      // lim: a *reserve.Limiter
+//	mux.Use(mw)
 //	cfg.IsFailure = asynqadapter.IsFailure                          // a refusal is not a failure
 //	cfg.RetryDelayFunc = asynqadapter.RetryDelayFunc(nil)           // refused tasks return when there is room
 //
 // and set cfg.DelayedTaskCheckInterval to time.Second: asynq moves retried
 // tasks back to their queue only that often (every 5 s by default), and
-// stores retry times in whole seconds.
+// stores retry times in whole seconds. Tell the middleware the interval
+// with WithCheckInterval when you use WithInspector.
 //
 // Before each task the middleware books the next slot for the task's key
 // with one Redis call, bounded by the handler context's deadline (asynq
-// always sets one, from the task's Timeout or Deadline) and the max wait. If
-// the slot fits, the handler sleeps until it and runs the task. If not,
-// nothing is booked and the task returns to asynq with a *RateLimitedError
-// that carries when to try again.
+// always sets one, from the task's Timeout or Deadline) less the work
+// estimate (WithWorkEstimate), and by the max wait. If the slot fits, the
+// handler sleeps until it and runs the task. If not, nothing is booked and
+// the task returns to asynq with a *RateLimitedError, a refusal, that
+// carries when to try again.
 //
-// asynq archives a task that fails on its last attempt (or that has
-// MaxRetry(0)) instead of retrying it. So on a task's last attempt the
-// middleware, by default, drops the max wait and waits for a slot as long as
-// the task's deadline allows; see WithLastAttemptWait.
+// Refusals are not failures (with IsFailure): asynq keeps the task's
+// Retried count, moves it to its retry set due at RetryAfter (whole
+// seconds, rounded up) and records the refusal as the task's LastErr, which
+// the Inspector and asynqmon show. There are three kinds:
+//
+//   - the shared limit: the slot lay beyond the max wait or the deadline
+//     (a *deadline.Error);
+//   - the fallback policy, while the limiter's Redis is unavailable (a
+//     *reserve.FallbackError, from FailClosed, or from LocalShare or
+//     FailOpen beyond the max wait): the task comes back at the fallback's
+//     retry-after;
+//   - for a limiter without a fallback, its Redis unavailable (an error
+//     matching throttle.ErrUnavailable): the task comes back after
+//     WithUnavailableDelay. WithUnavailableAsFailure(true) makes these
+//     ordinary failures instead.
+//
+// Other errors from the limiter (bad input, a corrupt key) and the
+// handler's own errors are failures as usual.
+//
+// asynq calls its Config.ErrorHandler for every error a handler returns,
+// refusals included; filter them with IsRefusal.
+//
+// asynq archives a task that returns an error on its last attempt (or that
+// has MaxRetry(0)) instead of retrying it, refusals included. So on a
+// task's last attempt the middleware, by default, drops the max wait and
+// waits for a slot as long as the task's deadline allows, and while the
+// limiter's Redis is unavailable it tries again after each refusal, as long
+// as the deadline allows; see WithLastAttemptWait.
+//
+// # Booked retries
+//
+// With WithBookedRetries, a task whose slot lies beyond the max wait (but
+// within a horizon and its deadline) has that slot booked in the same
+// call, and is retried at it: asynq brings it back one check interval
+// before the slot (whole seconds, rounded down) and the handler sleeps the
+// rest. The booking is kept in the limiter's Redis under the task's id, so
+// the task runs at it on whichever server takes it, without booking again;
+// the process keeps the bookings due in the next two seconds from each
+// reply, so most returning tasks make no call at all. The max wait then
+// only bounds how long a handler holds a worker. Set asynq's
+// TaskCheckInterval to about 100ms with it: idle asynq workers look for
+// new tasks only that often (every 0.5 to 1.5 s by default), and a task
+// taken up after its slot (by more than one interval) books again. See
+// the README for measured figures.
+//
+// Bad options make NewMiddleware return an error matching ErrInvalidOption;
+// Middleware panics on them instead, for programs that wire a server with
+// options written in the code.
 package asynqadapter
 
 import (
@@ -37,10 +84,15 @@ import (
 
 	"github.com/slotbook/slotbook/deadline"
 	"github.com/slotbook/slotbook/reserve"
+	"github.com/slotbook/slotbook/throttle"
 )
 
-// RateLimitedError is what the middleware returns for a task whose slot
-// would not fit its deadline or the max wait. Nothing was booked for it.
+// ErrInvalidOption is matched by the error NewMiddleware returns for a bad
+// option or a nil limiter.
+var ErrInvalidOption = errors.New("asynqadapter: invalid option")
+
+// RateLimitedError is what the middleware returns for a task it sends back
+// to asynq without running it: a refusal. Nothing was booked for it.
 type RateLimitedError struct {
 	// Key is the limiter key the task was judged under.
 	Key string
@@ -48,31 +100,61 @@ type RateLimitedError struct {
 	// room, spread so that tasks refused together do not return together.
 	RetryAfter time.Duration
 	// Err is the refusal: a *deadline.Error matching
-	// deadline.ErrMaxWaitExceeded or deadline.ErrWouldExceedDeadline.
+	// deadline.ErrMaxWaitExceeded or deadline.ErrWouldExceedDeadline; a
+	// *reserve.FallbackError (the fallback policy refused while the
+	// limiter's Redis was unavailable); or, for a limiter without a
+	// fallback, the error matching throttle.ErrUnavailable.
 	Err error
+	// Slot, with booked retries (WithBookedRetries), is the local time of
+	// the slot booked for the task's next attempt; the zero Time if
+	// nothing was booked. RetryAfter then brings the task back one check
+	// interval (WithCheckInterval) before it.
+	Slot time.Time
+
+	back time.Time // with Slot: when the task should be back
 }
 
 // Error describes the refusal and when the task comes back.
 func (e *RateLimitedError) Error() string {
+	if !e.Slot.IsZero() {
+		return fmt.Sprintf("asynqadapter: rate limited on %q, slot booked in %v: %v", e.Key, e.RetryAfter, e.Err)
+	}
 	return fmt.Sprintf("asynqadapter: rate limited on %q, retry in %v: %v", e.Key, e.RetryAfter, e.Err)
 }
 
 // Unwrap returns Err.
 func (e *RateLimitedError) Unwrap() error { return e.Err }
 
-// IsRateLimited reports whether err is (or wraps) a *RateLimitedError.
-func IsRateLimited(err error) bool {
+// IsRefusal reports whether err is (or wraps) a *RateLimitedError: the
+// middleware sent the task back to asynq without running it. asynq calls
+// its Config.ErrorHandler for every error a handler returns, refusals
+// included, so an ErrorHandler that reports failures should skip these:
+//
+//	ErrorHandler: asynq.ErrorHandlerFunc(func(ctx context.Context, t *asynq.Task, err error) {
+//		if asynqadapter.IsRefusal(err) {
+//			return // sent back for the limit, not a failure
+//		}
+//		report(t, err)
+//	}),
+func IsRefusal(err error) bool {
 	var e *RateLimitedError
 	return errors.As(err, &e)
 }
 
-// IsFailure is an asynq.Config.IsFailure that does not count a rate-limit
-// refusal as a failure, so it neither uses up a retry nor shows in the
+// IsRateLimited reports whether err is (or wraps) a *RateLimitedError.
+//
+// Deprecated: use IsRefusal, which matches the same errors.
+func IsRateLimited(err error) bool { return IsRefusal(err) }
+
+// IsFailure is an asynq.Config.IsFailure that does not count a refusal
+// (IsRefusal) as a failure, so it neither uses up a retry nor shows in the
 // failed statistics.
-func IsFailure(err error) bool { return err != nil && !IsRateLimited(err) }
+func IsFailure(err error) bool { return err != nil && !IsRefusal(err) }
 
 // RetryDelayFunc returns an asynq.RetryDelayFunc that sends refused tasks
-// back after their RetryAfter (rounded up to the whole second asynq stores)
+// back after their RetryAfter (rounded up to the whole second asynq
+// stores), a task with a booked slot one check interval before that slot
+// (asynq rounds it down to the whole second; the handler sleeps the rest),
 // and delegates other errors to next (asynq.DefaultRetryDelayFunc if nil).
 func RetryDelayFunc(next asynq.RetryDelayFunc) asynq.RetryDelayFunc {
 	if next == nil {
@@ -81,6 +163,9 @@ func RetryDelayFunc(next asynq.RetryDelayFunc) asynq.RetryDelayFunc {
 	return func(n int, err error, t *asynq.Task) time.Duration {
 		var e *RateLimitedError
 		if errors.As(err, &e) {
+			if !e.Slot.IsZero() {
+				return max(0, time.Until(e.back))
+			}
 			return wholeSecond(time.Now(), e.RetryAfter)
 		}
 		return next(n, err, t)
@@ -112,15 +197,21 @@ func ByQueue(ctx context.Context, t *asynq.Task) string {
 	return "default"
 }
 
-// An Option configures the middleware.
+// An Option configures the middleware. A bad one makes NewMiddleware
+// return an error matching ErrInvalidOption.
 type Option func(*config) error
 
 type config struct {
-	key      KeyFunc
-	maxWait  *time.Duration
-	lastWait bool
-	spread   bool
-	insp     *asynq.Inspector
+	key         KeyFunc
+	maxWait     *time.Duration
+	work        time.Duration
+	lastWait    bool
+	spread      bool
+	insp        *asynq.Inspector
+	check       time.Duration // asynq's DelayedTaskCheckInterval, for the deadline check
+	unavailable time.Duration // when a task that found the limiter unavailable comes back
+	unavailFail bool          // an unavailable limiter fails tasks instead
+	booked      *bookedConfig // nil: no booked retries
 }
 
 // WithKey sets how tasks map to limiter keys: ByType (the default), ByQueue,
@@ -148,10 +239,30 @@ func WithMaxWait(d time.Duration) Option {
 	}
 }
 
+// WithWorkEstimate sets how long the handler is expected to run after its
+// slot (default: the limiter's own work estimate, 0 unless set with
+// reserve.WithWorkEstimate). The slot must leave that much time before the
+// handler's deadline (asynq's Timeout or Deadline), or the task goes back
+// to asynq without running: with a Timeout of 2 s, a slot 1.8 s away and
+// a handler that takes 300 ms, a work estimate of 300 ms or more sends the
+// task back to run later instead of letting asynq cancel it at its
+// timeout, which would count as a failure and use up a retry.
+func WithWorkEstimate(d time.Duration) Option {
+	return func(c *config) error {
+		if d < 0 {
+			return fmt.Errorf("negative work estimate %v", d)
+		}
+		c.work = d
+		return nil
+	}
+}
+
 // WithLastAttemptWait sets whether a task on its last attempt (asynq would
 // archive it on an error) waits for a slot as long as its deadline allows,
-// ignoring the max wait (default true). A task whose slot would pass even
-// its deadline is refused either way, and asynq archives it.
+// ignoring the max wait (default true). While the limiter's Redis is
+// unavailable such a task waits too, trying again after each refusal, as
+// long as its deadline allows. A task whose slot would pass even its
+// deadline is refused either way, and asynq archives it.
 func WithLastAttemptWait(on bool) Option {
 	return func(c *config) error {
 		c.lastWait = on
@@ -162,7 +273,8 @@ func WithLastAttemptWait(on bool) Option {
 // WithSpread sets whether refused tasks get return times spread one
 // interval apart per key (default true), so that tasks refused together
 // come back to free slots one by one instead of colliding again. Off, each
-// gets the bare time until its slot would have fitted.
+// gets the bare time until its slot would have fitted. Spreading is per
+// process: servers do not know each other's return times.
 func WithSpread(on bool) Option {
 	return func(c *config) error {
 		c.spread = on
@@ -171,25 +283,84 @@ func WithSpread(on bool) Option {
 }
 
 // WithInspector lets the middleware read a refused task's absolute
-// Deadline (one Redis call, on refusal only). A task that could only come
-// back after its Deadline is archived at once (its error wraps
-// asynq.SkipRetry) rather than sent back to fail on every later dequeue.
+// Deadline (one call to asynq's Redis, on refusal only). A task that would
+// not come back at least the check interval (WithCheckInterval) plus one
+// second plus the work estimate before its Deadline is archived at once
+// (its error wraps asynq.SkipRetry) rather than sent back to fail on every
+// later dequeue.
 func WithInspector(insp *asynq.Inspector) Option {
 	return func(c *config) error {
+		if insp == nil {
+			return errors.New("nil inspector")
+		}
 		c.insp = insp
 		return nil
 	}
 }
 
-// Middleware returns an asynq middleware that runs each task at a slot
-// booked through lim. It panics on a nil limiter or a bad option: these
-// are programming errors, found at start-up.
-func Middleware(lim *reserve.Limiter, opts ...Option) asynq.MiddlewareFunc {
+// WithCheckInterval tells the middleware the servers' asynq
+// Config.DelayedTaskCheckInterval (default 5 s, asynq's default): a task
+// sent back is moved from the retry set to its queue only that often, so
+// it may run up to that long after the time it was sent back for. Used by
+// the deadline check of WithInspector.
+func WithCheckInterval(d time.Duration) Option {
+	return func(c *config) error {
+		if d <= 0 {
+			return fmt.Errorf("check interval %v: want a positive duration", d)
+		}
+		c.check = d
+		return nil
+	}
+}
+
+// WithUnavailableDelay sets when a task that found the limiter unavailable
+// comes back (default throttle.DefaultProbeMax, the longest the engine
+// waits between probes by default; asynq rounds it up to a whole second).
+// That applies to a limiter without a fallback (reserve.WithFallback),
+// whose calls then fail with throttle.ErrUnavailable; a fallback's
+// refusals carry their own retry-after.
+func WithUnavailableDelay(d time.Duration) Option {
+	return func(c *config) error {
+		if d <= 0 {
+			return fmt.Errorf("unavailable delay %v: want a positive duration", d)
+		}
+		c.unavailable = d
+		return nil
+	}
+}
+
+// WithUnavailableAsFailure sets whether a task that finds the limiter
+// unavailable (no fallback, and its Redis unreachable or its breaker open)
+// fails as an ordinary error, using up a retry under asynq's backoff (on),
+// or goes back to asynq as a refusal, without a failure, after
+// WithUnavailableDelay (off, the default).
+func WithUnavailableAsFailure(on bool) Option {
+	return func(c *config) error {
+		c.unavailFail = on
+		return nil
+	}
+}
+
+// NewMiddleware returns an asynq middleware that runs each task at a slot
+// booked through lim. It returns an error matching ErrInvalidOption for a
+// nil limiter or a bad option, and makes no network call.
+func NewMiddleware(lim *reserve.Limiter, opts ...Option) (asynq.MiddlewareFunc, error) {
 	m, err := newMiddleware(lim, opts...)
 	if err != nil {
-		panic("asynqadapter: " + err.Error())
+		return nil, fmt.Errorf("%w: %w", ErrInvalidOption, err)
 	}
-	return m.wrap
+	return m.wrap, nil
+}
+
+// Middleware is like NewMiddleware but panics where NewMiddleware returns
+// an error, as regexp.MustCompile does: for wiring a server at start-up
+// with options written in the program.
+func Middleware(lim *reserve.Limiter, opts ...Option) asynq.MiddlewareFunc {
+	mw, err := NewMiddleware(lim, opts...)
+	if err != nil {
+		panic(err.Error())
+	}
+	return mw
 }
 
 type middleware struct {
@@ -197,33 +368,58 @@ type middleware struct {
 	lim      *reserve.Limiter // for most attempts
 	last     *reserve.Limiter // for last attempts
 	interval time.Duration
+	// tolerance is how late a task may start after the slot booked for
+	// it: one interval (see late).
+	tolerance time.Duration
+	booked    *booked // nil: no booked retries
 
 	mu      sync.Mutex           // guards returns
 	returns map[string]time.Time // per key: the latest return time handed out
 }
 
+// deadlineMargin is how long before its Deadline, beyond the check
+// interval and the work estimate, a task sent back must be due: time for
+// a worker to take it.
+const deadlineMargin = time.Second
+
 func newMiddleware(lim *reserve.Limiter, opts ...Option) (*middleware, error) {
 	if lim == nil {
 		return nil, errors.New("nil limiter")
 	}
-	cfg := config{key: ByType, lastWait: true, spread: true}
+	cfg := config{key: ByType, lastWait: true, spread: true, check: 5 * time.Second, unavailable: throttle.DefaultProbeMax}
 	for _, opt := range opts {
 		if err := opt(&cfg); err != nil {
 			return nil, err
 		}
 	}
 	m := &middleware{cfg: cfg, lim: lim, last: lim, interval: lim.Limit().Interval(), returns: map[string]time.Time{}}
+	m.tolerance = m.interval
+	var base []reserve.Option
+	if cfg.work > 0 {
+		base = append(base, reserve.WithWorkEstimate(cfg.work))
+	}
 	var err error
-	if cfg.maxWait != nil {
-		if m.lim, err = lim.With(reserve.WithMaxWait(*cfg.maxWait)); err != nil {
+	if cfg.maxWait != nil || len(base) > 0 {
+		o := base
+		if cfg.maxWait != nil {
+			o = append(o, reserve.WithMaxWait(*cfg.maxWait))
+		}
+		if m.lim, err = lim.With(o...); err != nil {
 			return nil, err
 		}
 		m.last = m.lim
 	}
 	if cfg.lastWait {
-		if m.last, err = lim.With(reserve.WithoutMaxWait()); err != nil {
+		if m.last, err = lim.With(append(base, reserve.WithoutMaxWait())...); err != nil {
 			return nil, err
 		}
+	}
+	if cfg.booked != nil {
+		if len(lim.Limits()) != 1 {
+			return nil, fmt.Errorf("booked retries: the limiter has %d limits, want one", len(lim.Limits()))
+		}
+		runCap, _ := m.lim.MaxWait()
+		m.booked = newBooked(cfg.booked, runCap)
 	}
 	return m, nil
 }
@@ -231,22 +427,55 @@ func newMiddleware(lim *reserve.Limiter, opts ...Option) (*middleware, error) {
 func (m *middleware) wrap(next asynq.Handler) asynq.Handler {
 	return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
 		key := m.cfg.key(ctx, t)
-		lim := m.lim
-		if lastAttempt(ctx) {
+		lim, last := m.lim, lastAttempt(ctx)
+		if last {
 			lim = m.last
+		} else if m.booked != nil {
+			if err, handled := m.bookedAttempt(ctx, key, t, next); handled {
+				return err
+			}
 		}
-		r, err := lim.Reserve(ctx, key)
-		if err != nil {
-			return fmt.Errorf("asynqadapter: %w", err)
+		for {
+			r, err := lim.Reserve(ctx, key)
+			if err != nil && (m.cfg.unavailFail || ctx.Err() != nil || !errors.Is(err, throttle.ErrUnavailable)) {
+				return fmt.Errorf("asynqadapter: %w", err)
+			}
+			var refusal error
+			switch {
+			case err != nil:
+				refusal = err // unavailable, no fallback
+			case !r.OK():
+				refusal = r.Err()
+			default:
+				if err := r.Wait(ctx); err != nil {
+					return err
+				}
+				return next.ProcessTask(ctx, t)
+			}
+			// On its last attempt asynq would archive the task: one that
+			// met an unavailable limiter or its fallback's refusal tries
+			// again here, as long as its deadline allows.
+			var de *deadline.Error
+			if !last || !m.cfg.lastWait || errors.As(refusal, &de) {
+				return m.refused(ctx, key, refusal)
+			}
+			if err := sleep(ctx, m.retryAfter(refusal)); err != nil {
+				return m.refused(ctx, key, refusal)
+			}
 		}
-		if !r.OK() {
-			return m.refused(ctx, key, r.Err())
-		}
-		if err := r.Wait(ctx); err != nil {
-			return err
-		}
-		return next.ProcessTask(ctx, t)
 	})
+}
+
+// sleep waits for d or until ctx is done.
+func sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 // lastAttempt reports whether asynq would archive the task on an error.
@@ -256,16 +485,28 @@ func lastAttempt(ctx context.Context) bool {
 	return ok1 && ok2 && n >= maxRetry
 }
 
+// retryAfter is how long from now the refused task would fit: for a
+// refusal by the shared limit, once the queue in front of its slot is no
+// longer than its budget; for the fallback's, its retry-after; for an
+// unavailable limiter, the unavailable delay.
+func (m *middleware) retryAfter(refusal error) time.Duration {
+	var (
+		de *deadline.Error
+		fe *reserve.FallbackError
+	)
+	switch {
+	case errors.As(refusal, &de):
+		return max(0, de.RetryAfter-de.Budget)
+	case errors.As(refusal, &fe):
+		return max(fe.RetryAfter, time.Millisecond)
+	}
+	return m.cfg.unavailable
+}
+
 // refused builds the error for a refused task.
 func (m *middleware) refused(ctx context.Context, key string, refusal error) error {
-	var de *deadline.Error
-	if !errors.As(refusal, &de) {
-		return fmt.Errorf("asynqadapter: %w", refusal)
-	}
 	now := time.Now()
-	// The slot fits once the queue in front of it is no longer than the
-	// task's budget.
-	fits := max(0, de.RetryAfter-de.Budget)
+	fits := m.retryAfter(refusal)
 	back := fits
 	if m.cfg.spread {
 		back = m.returnSlot(key, now, fits)
@@ -302,7 +543,9 @@ func (m *middleware) returnSlot(key string, now time.Time, fits time.Duration) t
 }
 
 // pastDeadline returns an error wrapping asynq.SkipRetry if the task has an
-// absolute deadline before returnAt.
+// absolute deadline that a task due back at returnAt would not meet: asynq
+// moves it to its queue up to one check interval later, a worker needs a
+// moment to take it, and the work must fit before the deadline.
 func (m *middleware) pastDeadline(ctx context.Context, returnAt time.Time) error {
 	id, ok1 := asynq.GetTaskID(ctx)
 	q, ok2 := asynq.GetQueueName(ctx)
@@ -310,8 +553,13 @@ func (m *middleware) pastDeadline(ctx context.Context, returnAt time.Time) error
 		return nil
 	}
 	info, err := m.cfg.insp.GetTaskInfo(q, id)
-	if err != nil || info.Deadline.IsZero() || !returnAt.After(info.Deadline) {
+	if err != nil || info.Deadline.IsZero() {
 		return nil
 	}
-	return fmt.Errorf("would come back after its deadline %v: %w", info.Deadline.Format(time.RFC3339), asynq.SkipRetry)
+	latest := info.Deadline.Add(-m.cfg.check - deadlineMargin - m.cfg.work)
+	if !returnAt.After(latest) {
+		return nil
+	}
+	return fmt.Errorf("would come back at %v, too close to its deadline %v (check interval %v): %w",
+		returnAt.Format(time.RFC3339), info.Deadline.Format(time.RFC3339), m.cfg.check, asynq.SkipRetry)
 }

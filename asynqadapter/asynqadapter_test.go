@@ -39,7 +39,7 @@ func newEnv(t *testing.T) *env {
 	prefix := redistest.Prefix(t)
 	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
 	require.NoError(t, err)
-	require.NoError(t, eng.Load(context.Background()))
+	redistest.UntilOK(t, func() error { return eng.Load(context.Background()) })
 	return &env{rdb: rdb, calls: calls, eng: eng, prefix: prefix}
 }
 
@@ -240,40 +240,86 @@ func TestWaitsThenRuns(t *testing.T) {
 	require.True(t, ran.IsZero())
 }
 
-func TestRedisFailureIsAFailure(t *testing.T) {
+// TestLimiterErrors: an unavailable limiter (no fallback) is a refusal
+// unless WithUnavailableAsFailure(true); other limiter errors, such as a
+// corrupt stored value, are failures.
+func TestLimiterErrors(t *testing.T) {
 	t.Parallel()
-	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1, ContextTimeoutEnabled: true})
-	t.Cleanup(func() { rdb.Close() })
+	down := redistest.Start(t)
+	rdb := down.Client(t)
+	down.Stop()
 	eng, err := throttle.New(rdb)
 	require.NoError(t, err)
 	l, err := reserve.New(eng, "tasks", throttle.PerSecond(10, 0))
 	require.NoError(t, err)
 	err = asynqadapter.Middleware(l)(noop).ProcessTask(context.Background(), asynq.NewTask("k", nil))
-	require.Error(t, err)
-	require.False(t, asynqadapter.IsRateLimited(err))
+	require.ErrorIs(t, err, throttle.ErrUnavailable)
+	require.True(t, asynqadapter.IsRefusal(err))
+	require.False(t, asynqadapter.IsFailure(err))
+	err = asynqadapter.Middleware(l, asynqadapter.WithUnavailableAsFailure(true))(noop).ProcessTask(context.Background(), asynq.NewTask("k", nil))
+	require.ErrorIs(t, err, throttle.ErrUnavailable)
+	require.False(t, asynqadapter.IsRefusal(err))
+	require.True(t, asynqadapter.IsFailure(err))
+
+	e := newEnv(t)
+	l = e.limiter(t, throttle.PerSecond(10, 0))
+	require.NoError(t, e.rdb.Set(context.Background(), e.prefix+"tasks:{k}", "not a TAT", 0).Err())
+	err = asynqadapter.Middleware(l)(noop).ProcessTask(context.Background(), asynq.NewTask("k", nil))
+	require.ErrorIs(t, err, throttle.ErrCorruptState)
 	require.True(t, asynqadapter.IsFailure(err))
 }
 
-func TestBadOptionsPanic(t *testing.T) {
+// TestBadOptions: NewMiddleware returns an error matching
+// ErrInvalidOption for each bad option, making no Redis call; Middleware
+// panics with the same message.
+func TestBadOptions(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	l := e.limiter(t, throttle.PerSecond(10, 0))
-	for name, f := range map[string]func(){
-		"nil limiter":       func() { asynqadapter.Middleware(nil) },
-		"negative max wait": func() { asynqadapter.Middleware(l, asynqadapter.WithMaxWait(-time.Second)) },
-		"nil key func":      func() { asynqadapter.Middleware(l, asynqadapter.WithKey(nil)) },
-	} {
-		require.PanicsWithValue(t, "asynqadapter: "+map[string]string{
-			"nil limiter": "nil limiter", "negative max wait": "negative max wait -1s", "nil key func": "nil key function",
-		}[name], f, name)
+	layered := e.limiter(t, throttle.PerSecond(10, 0), reserve.WithLimit(throttle.PerHour(1000, 0)))
+	tests := []struct {
+		name string
+		lim  *reserve.Limiter
+		opt  asynqadapter.Option
+		want string
+	}{
+		{"nil limiter", nil, nil, "nil limiter"},
+		{"negative max wait", l, asynqadapter.WithMaxWait(-time.Second), "negative max wait -1s"},
+		{"nil key func", l, asynqadapter.WithKey(nil), "nil key function"},
+		{"negative work estimate", l, asynqadapter.WithWorkEstimate(-time.Second), "negative work estimate -1s"},
+		{"nil inspector", l, asynqadapter.WithInspector(nil), "nil inspector"},
+		{"zero check interval", l, asynqadapter.WithCheckInterval(0), "check interval 0s: want a positive duration"},
+		{"zero unavailable delay", l, asynqadapter.WithUnavailableDelay(0), "unavailable delay 0s: want a positive duration"},
+		{"booked retries, nil engine", l, asynqadapter.WithBookedRetries(nil, time.Minute), "booked retries: nil engine"},
+		{"booked retries, no horizon", l, asynqadapter.WithBookedRetries(e.eng, 0), "booked retries: horizon 0s: want a positive duration of at most 8784h0m0s"},
+		{"booked retries, two limits", layered, asynqadapter.WithBookedRetries(e.eng, time.Minute), "booked retries: the limiter has 2 limits, want one"},
 	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var opts []asynqadapter.Option
+			if tc.opt != nil {
+				opts = append(opts, tc.opt)
+			}
+			before := e.calls.Load()
+			mw, err := asynqadapter.NewMiddleware(tc.lim, opts...)
+			require.ErrorIs(t, err, asynqadapter.ErrInvalidOption)
+			require.Nil(t, mw)
+			want := "asynqadapter: invalid option: " + tc.want
+			require.EqualError(t, err, want)
+			require.PanicsWithValue(t, want, func() { asynqadapter.Middleware(tc.lim, opts...) })
+			require.Equal(t, before, e.calls.Load(), "no Redis call")
+		})
+	}
+	mw, err := asynqadapter.NewMiddleware(l, asynqadapter.WithWorkEstimate(time.Second), asynqadapter.WithCheckInterval(time.Second))
+	require.NoError(t, err)
+	require.NotNil(t, mw)
 }
 
 // server runs an asynq server on queue with the middleware, until the test
 // ends.
-func server(t *testing.T, rdb *redis.Client, queue string, concurrency int, mw asynq.MiddlewareFunc, h asynq.HandlerFunc) {
+func server(t *testing.T, rdb *redis.Client, queue string, concurrency int, mw asynq.MiddlewareFunc, h asynq.HandlerFunc, with ...func(*asynq.Config)) {
 	t.Helper()
-	srv := asynq.NewServerFromRedisClient(rdb, asynq.Config{
+	cfg := asynq.Config{
 		Concurrency:              concurrency,
 		Queues:                   map[string]int{queue: 1},
 		IsFailure:                asynqadapter.IsFailure,
@@ -282,7 +328,11 @@ func server(t *testing.T, rdb *redis.Client, queue string, concurrency int, mw a
 		TaskCheckInterval:        50 * time.Millisecond,
 		LogLevel:                 asynq.ErrorLevel,
 		ShutdownTimeout:          5 * time.Second,
-	})
+	}
+	for _, f := range with {
+		f(&cfg)
+	}
+	srv := asynq.NewServerFromRedisClient(rdb, cfg)
 	mux := asynq.NewServeMux()
 	mux.Use(mw)
 	mux.Handle("api:call", h)
@@ -324,7 +374,7 @@ func TestTwoServersShareTheQuota(t *testing.T) {
 		counters = append(counters, callcount.Attach(limRedis))
 		eng, err := throttle.New(limRedis, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
 		require.NoError(t, err)
-		require.NoError(t, eng.Load(context.Background()))
+		redistest.UntilOK(t, func() error { return eng.Load(context.Background()) })
 		lim, err := reserve.New(eng, "asynq", limit, reserve.WithMaxWait(2*time.Second))
 		require.NoError(t, err)
 		server(t, srvRedis.Client(t), queue, 10, asynqadapter.Middleware(lim), handler)
@@ -437,7 +487,7 @@ func TestInspectorDeadline(t *testing.T) {
 	}, 5*time.Second, 20*time.Millisecond, "archived before its deadline passed")
 	ti, err := insp.GetTaskInfo(queue, info.ID)
 	require.NoError(t, err)
-	require.Contains(t, ti.LastErr, "after its deadline")
+	require.Contains(t, ti.LastErr, "too close to its deadline")
 	require.Zero(t, ti.Retried, "no retry was used up")
 }
 

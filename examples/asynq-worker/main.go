@@ -108,22 +108,38 @@ func start(rdb *redis.Client, queue string, out io.Writer) (*asynq.Server, <-cha
 	if err != nil {
 		return nil, nil, err
 	}
+	var (
+		mu    sync.Mutex // guards out and count
+		count int
+	)
 	srv := asynq.NewServerFromRedisClient(rdb, asynq.Config{
 		Concurrency:              10,
 		Queues:                   map[string]int{queue: 1},
 		IsFailure:                asynqadapter.IsFailure,           // a refusal is not a failure
 		RetryDelayFunc:           asynqadapter.RetryDelayFunc(nil), // refused tasks come back when there is room
 		DelayedTaskCheckInterval: time.Second,                      // and are looked at every second
+		TaskCheckInterval:        100 * time.Millisecond,           // idle workers look for tasks this often
 		LogLevel:                 asynq.WarnLevel,
+		// asynq calls its ErrorHandler for refusals too: report the rest.
+		ErrorHandler: asynq.ErrorHandlerFunc(func(_ context.Context, t *asynq.Task, err error) {
+			if !asynqadapter.IsRefusal(err) {
+				mu.Lock()
+				fmt.Fprintf(out, "task %s failed: %v\n", t.Payload(), err)
+				mu.Unlock()
+			}
+		}),
 	})
+	mw, err := asynqadapter.NewMiddleware(lim,
+		asynqadapter.WithWorkEstimate(100*time.Millisecond), // the slot leaves the handler this long before its timeout
+		asynqadapter.WithBookedRetries(eng, time.Minute),    // a task sent back keeps the slot booked for it
+		asynqadapter.WithCheckInterval(time.Second))         // the DelayedTaskCheckInterval below
+	if err != nil {
+		return nil, nil, err
+	}
 	mux := asynq.NewServeMux()
-	mux.Use(asynqadapter.Middleware(lim))
+	mux.Use(mw)
 	done := make(chan struct{}, 1024)
 	t0 := time.Now()
-	var (
-		mu    sync.Mutex // guards out and count
-		count int
-	)
 	mux.HandleFunc(taskType, func(ctx context.Context, t *asynq.Task) error {
 		// Here the partner API would be called.
 		mu.Lock()

@@ -1,0 +1,242 @@
+package asynqadapter
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/hibiken/asynq"
+
+	"github.com/slotbook/slotbook/deadline"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+// WithBookedRetries turns on booked retries: a task whose slot lies beyond
+// the max wait, but within horizon and before the handler's deadline (less
+// the work estimate), has that slot booked anyway, in the same Redis call
+// that judged it, and goes back to asynq (a refusal, not a failure) to be
+// retried at the slot: asynq's whole second, rounded down, after which the
+// handler sleeps the rest. The booking is remembered in the limiter's
+// Redis under the task's id, in a sorted set per limiter key
+// ("name:{key}:asynq", the rate key's hash tag). When the task comes back,
+// to any server, it runs at its booking without booking again; if it comes
+// back late (every worker busy), it runs at once: its slot is spent, the
+// limit held. A task deleted or archived meanwhile leaves its booking
+// unused; the entry is dropped a minute after its slot.
+//
+// The reply to each booking call also lists the bookings due within the
+// next two seconds, which the process keeps, so that most returning tasks
+// find theirs without a Redis call, and one call per key is in flight per
+// process at a time. Tasks refused together thus return spread by their
+// bookings, across servers, and each second's quota is used.
+//
+// eng must be the engine lim was built on, and lim must have one limit
+// (reserve.WithLimit adds others: not supported here). Tasks on their last
+// attempt (which asynq would archive on a refusal) still wait in their
+// handler (WithLastAttemptWait). horizon must be positive and at most
+// throttle.MaxHorizon.
+func WithBookedRetries(eng *throttle.Engine, horizon time.Duration) Option {
+	return func(c *config) error {
+		if eng == nil {
+			return errors.New("booked retries: nil engine")
+		}
+		if horizon <= 0 || horizon > throttle.MaxHorizon {
+			return fmt.Errorf("booked retries: horizon %v: want a positive duration of at most %v", horizon, throttle.MaxHorizon)
+		}
+		c.booked = &bookedConfig{eng: eng, horizon: horizon}
+		return nil
+	}
+}
+
+type bookedConfig struct {
+	eng     *throttle.Engine
+	horizon time.Duration
+}
+
+const (
+	dueWindow = 2 * time.Second // bookings due this soon are kept locally
+	maxDue    = 256             // at most this many per reply
+	maxForget = 256             // used entries sent back for removal, per key
+	cacheKeep = time.Minute     // a kept booking is dropped this long after its slot
+)
+
+// booked is the middleware's state for booked retries.
+type booked struct {
+	bookedConfig
+	runCap time.Duration // the max wait for running now
+
+	mu       sync.Mutex                      // guards the maps below
+	due      map[string]map[string]time.Time // per subject: member -> local time of its slot
+	inflight map[string]chan struct{}        // per subject: closed when its call returns
+	forget   map[string][]string             // per subject: members used from due
+}
+
+func newBooked(c *bookedConfig, runCap time.Duration) *booked {
+	return &booked{bookedConfig: *c, runCap: runCap, due: map[string]map[string]time.Time{},
+		inflight: map[string]chan struct{}{}, forget: map[string][]string{}}
+}
+
+// take returns, and removes, the kept booking of member under subject.
+func (b *booked) take(subject, member string) (time.Time, bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	at, ok := b.due[subject][member]
+	if ok {
+		delete(b.due[subject], member)
+		if f := b.forget[subject]; len(f) < maxForget {
+			b.forget[subject] = append(f, member)
+		}
+	}
+	return at, ok
+}
+
+// enter makes the caller the one with a call in flight for subject, or
+// returns the channel closed when the current one returns.
+func (b *booked) enter(subject string) (wait chan struct{}, forget []string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if ch, ok := b.inflight[subject]; ok {
+		return ch, nil
+	}
+	b.inflight[subject] = make(chan struct{})
+	forget = b.forget[subject]
+	delete(b.forget, subject)
+	return nil, forget
+}
+
+// leave ends the caller's call for subject: it keeps the bookings due
+// (at local times, from the reply's arrival), and wakes those waiting.
+func (b *booked) leave(subject, self string, rb throttle.RetryBooking, arrived time.Time, forget []string, failed bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if failed {
+		b.forget[subject] = append(b.forget[subject], forget...)
+	}
+	keep := b.due[subject]
+	if keep == nil && len(rb.Due) > 0 {
+		keep = map[string]time.Time{}
+		b.due[subject] = keep
+	}
+	for member, at := range rb.Due {
+		if member != self {
+			keep[member] = arrived.Add(at.Sub(rb.Now))
+		}
+	}
+	for member, at := range keep {
+		if arrived.Sub(at) > cacheKeep {
+			delete(keep, member)
+		}
+	}
+	if len(keep) == 0 {
+		delete(b.due, subject)
+	}
+	close(b.inflight[subject])
+	delete(b.inflight, subject)
+}
+
+// bookedAttempt runs a task's attempt with booked retries. handled is
+// false where the ordinary path must judge the task instead: no task id,
+// or the limiter's Redis failing (the fallback policy then answers).
+func (m *middleware) bookedAttempt(ctx context.Context, key string, t *asynq.Task, next asynq.Handler) (err error, handled bool) {
+	b := m.booked
+	id, ok := asynq.GetTaskID(ctx)
+	if !ok {
+		return nil, false
+	}
+	if err := m.lim.CheckKey(key); err != nil {
+		return fmt.Errorf("asynqadapter: %w", err), true
+	}
+	retried, _ := asynq.GetRetryCount(ctx)
+	// A task's own failure counts a retry: a booking is for one attempt.
+	member := id + ":" + strconv.Itoa(retried)
+	subject := m.lim.Name() + ":{" + key + "}"
+	var forget []string
+	for {
+		if at, ok := b.take(subject, member); ok {
+			if !m.late(at) {
+				return m.runAt(ctx, at, nil, subject, t, next), true
+			}
+			continue // its entry is spent: book again
+		}
+		var wait chan struct{}
+		if wait, forget = b.enter(subject); wait == nil {
+			break
+		}
+		select {
+		case <-wait:
+		case <-ctx.Done():
+			return ctx.Err(), true
+		}
+	}
+	now := time.Now()
+	keep, keepBound := deadline.Budget(ctx, now, b.runCap, m.cfg.work)
+	budget, bound := deadline.Budget(ctx, now, b.horizon, m.cfg.work)
+	if budget < 0 {
+		b.leave(subject, member, throttle.RetryBooking{}, now, forget, true)
+		return m.refused(ctx, key, deadline.Refuse(bound, budget, 0)), true
+	}
+	rb, err := b.eng.BookRetry(ctx, []string{subject}, m.lim.Limits(), throttle.Request{N: 1, MaxWait: budget},
+		throttle.RetryIndex{Key: subject + ":asynq", Member: member, KeepFrom: max(keep, 0), Window: dueWindow, MaxDue: maxDue, Forget: forget})
+	arrived := time.Now()
+	b.leave(subject, member, rb, arrived, forget, err != nil)
+	switch {
+	case err != nil:
+		return nil, false
+	case rb.Recalled:
+		if at := arrived.Add(rb.At.Sub(rb.Now)); !m.late(at) {
+			return m.runAt(ctx, at, nil, subject, t, next), true
+		}
+		return m.bookedAttempt(ctx, key, t, next) // spent: book again
+	case !rb.OK:
+		return m.refused(ctx, key, deadline.Refuse(bound, budget, rb.Wait)), true
+	case rb.Recorded:
+		// Back one check interval before the slot: asynq moves retried
+		// tasks to their queue only that often, at a phase of its own.
+		slot := arrived.Add(rb.Wait)
+		back := slot.Add(-m.cfg.check)
+		e := &RateLimitedError{Key: key, RetryAfter: max(0, back.Sub(arrived)), Slot: slot, back: back,
+			Err: deadline.Refuse(keepBound, keep, rb.Wait)}
+		if m.cfg.insp != nil {
+			if err := m.pastDeadline(ctx, slot); err != nil {
+				m.giveBack(ctx, subject, rb.Booking)
+				return fmt.Errorf("%w: %w", e, err), true
+			}
+		}
+		return e, true
+	}
+	return m.runAt(ctx, arrived.Add(rb.Wait), &rb.Booking, subject, t, next), true
+}
+
+// late reports whether a booked slot at has passed by more than one
+// interval of the limit: the task came back too late for it (every worker
+// busy, or asynq slow to hand it over), and running it now would start it
+// on top of the slots booked since. It books again instead. (A tolerance
+// of the whole burst let late tasks gather into bursts of more than the
+// limit allows in a second, measured with TestFleetBooked.)
+func (m *middleware) late(at time.Time) bool {
+	return time.Since(at) > m.tolerance
+}
+
+// runAt sleeps until at and runs the task. If ctx ends first, a booking
+// made by this attempt is given back.
+func (m *middleware) runAt(ctx context.Context, at time.Time, bk *throttle.Booking, subject string, t *asynq.Task, next asynq.Handler) error {
+	if d := time.Until(at); d > 0 {
+		if err := sleep(ctx, d); err != nil {
+			if bk != nil {
+				m.giveBack(ctx, subject, *bk)
+			}
+			return err
+		}
+	}
+	return next.ProcessTask(ctx, t)
+}
+
+// giveBack refunds a booking whose task will not run at it.
+func (m *middleware) giveBack(ctx context.Context, subject string, bk throttle.Booking) {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+	defer cancel()
+	_, _ = m.booked.eng.RefundAll(cctx, []string{subject}, m.lim.Limits(), bk)
+}

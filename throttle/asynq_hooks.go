@@ -1,0 +1,192 @@
+package throttle
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// A RetryIndex names, for BookRetry, the sorted set of booked retries of
+// one subject (package asynqadapter keeps one per limiter key: tasks sent
+// back to their queue to run at a slot booked for them) and this request's
+// part in it.
+type RetryIndex struct {
+	// Key is the index's key (before the engine's prefix), with the same
+	// hash tag as the rate keys.
+	Key string
+	// Member names this request's booking in the index: a task id.
+	Member string
+	// KeepFrom: a booking whose wait is longer than this is recorded in
+	// the index under Member (its caller will not wait for it now).
+	KeepFrom time.Duration
+	// Window: the reply lists the index's bookings whose slots lie at most
+	// this far ahead (Due), at most MaxDue of them.
+	Window time.Duration
+	MaxDue int
+	// Forget lists members to take out of the index (their bookings used).
+	Forget []string
+}
+
+// A RetryBooking is BookRetry's answer.
+type RetryBooking struct {
+	Booking
+	// Recalled reports that Member was in the index: nothing was booked,
+	// and Booking holds the recorded slot (OK, At; Wait is 0 if the slot
+	// has passed). A recalled booking cannot be given back with Refund.
+	Recalled bool
+	// Recorded reports that the booking was recorded in the index.
+	Recorded bool
+	// Now is the Redis clock at the decision.
+	Now time.Time
+	// Due lists the index's bookings due within Window, by member.
+	Due map[string]time.Time
+}
+
+// retrySpent: an index entry whose slot passed this long ago is dropped
+// (its task never came back: deleted, archived, or gone elsewhere).
+const retrySpent = time.Minute
+
+var bookRetryScript = newScript(clockSrc + retryPrelude + bookRetryBody())
+
+// retryPrelude takes BookRetry's arguments off the end of ARGV (so that
+// book.lua reads its own as usual), forgets used entries, drops spent
+// ones, and answers at once for a member already in the index.
+const retryPrelude = `
+local idx_key = KEYS[#KEYS]
+local idx_nforget = tonumber(table.remove(ARGV))
+local idx_forget = {}
+for i = 1, idx_nforget do idx_forget[i] = table.remove(ARGV) end
+local idx_spent = tonumber(table.remove(ARGV))
+local idx_max = tonumber(table.remove(ARGV))
+local idx_window = tonumber(table.remove(ARGV))
+local idx_keep = tonumber(table.remove(ARGV))
+local idx_member = table.remove(ARGV)
+if #idx_forget > 0 then redis.call('ZREM', idx_key, unpack(idx_forget)) end
+redis.call('ZREMRANGEBYSCORE', idx_key, '-inf', '(' .. string.format('%d', now - idx_spent))
+local function idx_due()
+  return redis.call('ZRANGEBYSCORE', idx_key, '-inf', string.format('%d', now + idx_window), 'WITHSCORES', 'LIMIT', 0, idx_max)
+end
+local idx_have = redis.call('ZSCORE', idx_key, idx_member)
+if idx_have then
+  redis.call('ZREM', idx_key, idx_member)
+  return {now, 2, tonumber(idx_have) - now, idx_due()}
+end
+`
+
+// retryTail records the booking in the index if its wait exceeds
+// KeepFrom, keeps the index alive until its last entry is spent, and adds
+// the due entries to book.lua's reply.
+const retryTail = `
+if out[2] == 1 and out[3] > idx_keep then
+  redis.call('ZADD', idx_key, string.format('%d', now + out[3]), idx_member)
+  local last = redis.call('ZRANGE', idx_key, -1, -1, 'WITHSCORES')
+  local ttl = math.ceil((tonumber(last[2]) - now + idx_spent) / 1000) + 1
+  redis.call('PEXPIRE', idx_key, string.format('%d', ttl))
+  out[2] = 3
+end
+out[#out + 1] = idx_due()
+return out
+`
+
+// bookRetryBody is book.lua with retryTail in place of its final return.
+func bookRetryBody() string {
+	body := strings.TrimRight(bookSrc, "\n ")
+	if !strings.HasSuffix(body, "return out") {
+		panic("throttle: book.lua no longer ends in 'return out'")
+	}
+	return strings.TrimSuffix(body, "return out") + retryTail
+}
+
+// BookRetry is BookAll for one request that also keeps an index of booked
+// retries (package asynqadapter's): in the same script call, if
+// idx.Member is in the index it answers with its recorded slot, booking
+// nothing (Recalled); otherwise it books the request as BookAll does and,
+// if the booking's wait is longer than idx.KeepFrom, records it in the
+// index under idx.Member. Entries are dropped a minute after their slot,
+// when listed in idx.Forget, or when recalled. The reply lists the
+// index's entries due within idx.Window.
+func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, req Request, idx RetryIndex) (RetryBooking, error) {
+	if err := checkKeysLimits(keys, limits); err != nil {
+		return RetryBooking{}, err
+	}
+	for _, l := range limits {
+		if err := checkRequest(req, l); err != nil {
+			return RetryBooking{}, err
+		}
+	}
+	if idx.Member == "" || strings.ContainsAny(idx.Member, "\x00") || HashTag(idx.Key) != HashTag(keys[0]) || idx.MaxDue < 0 {
+		return RetryBooking{}, fmt.Errorf("%w: retry index %q, member %q: want a member and the rate keys' hash tag", ErrInvalidRequest, idx.Key, idx.Member)
+	}
+	m := len(keys)
+	args := make([]any, 0, 2+2*m+2+6+len(idx.Forget))
+	args = append(args, nowArg(ctx), m)
+	for _, l := range limits {
+		I := l.intervalMicros()
+		args = append(args, I, I*int64(l.Burst))
+	}
+	args = append(args, req.N, int64(min(req.MaxWait, MaxHorizon)/time.Microsecond))
+	args = append(args, idx.Member, int64(idx.KeepFrom/time.Microsecond), int64(idx.Window/time.Microsecond), idx.MaxDue,
+		int64(retrySpent/time.Microsecond))
+	for i := len(idx.Forget) - 1; i >= 0; i-- { // popped from the end
+		args = append(args, idx.Forget[i])
+	}
+	args = append(args, len(idx.Forget))
+
+	reply, err := e.runReply(ctx, bookRetryScript, append(append([]string(nil), keys...), idx.Key), args)
+	if err != nil {
+		return RetryBooking{}, fmt.Errorf("throttle: book retry %q: %w", keys[0], err)
+	}
+	arr, ok := reply.([]any)
+	if !ok || len(arr) < 4 {
+		return RetryBooking{}, fmt.Errorf("throttle: book retry %q: unexpected reply %T", keys[0], reply)
+	}
+	ints, err := int64s(arr[:3], 3)
+	if err != nil {
+		return RetryBooking{}, fmt.Errorf("throttle: book retry %q: %w", keys[0], err)
+	}
+	now, status, wait := ints[0], ints[1], ints[2]
+	out := RetryBooking{Now: time.UnixMicro(now)}
+	due, ok := arr[len(arr)-1].([]any)
+	if !ok || len(due)%2 != 0 {
+		return RetryBooking{}, fmt.Errorf("throttle: book retry %q: unexpected due list %T", keys[0], arr[len(arr)-1])
+	}
+	out.Due = make(map[string]time.Time, len(due)/2)
+	for i := 0; i < len(due); i += 2 {
+		member, ok1 := due[i].(string)
+		score, ok2 := due[i+1].(string)
+		at, err := strconv.ParseInt(score, 10, 64)
+		if !ok1 || !ok2 || err != nil {
+			return RetryBooking{}, fmt.Errorf("throttle: book retry %q: unexpected due entry %v %v", keys[0], due[i], due[i+1])
+		}
+		out.Due[member] = time.UnixMicro(at)
+	}
+	if status == 2 {
+		out.Recalled = true
+		out.Booking = Booking{OK: true, N: req.N, Wait: time.Duration(max(wait, 0)) * time.Microsecond, At: time.UnixMicro(now + wait), now: now}
+		e.observer.ObserveDecision(label(keys[0]), Booked, out.Wait)
+		return out, nil
+	}
+	tats, err := int64s(arr[3:len(arr)-1], m)
+	if err != nil {
+		return RetryBooking{}, fmt.Errorf("throttle: book retry %q: %w", keys[0], err)
+	}
+	b := Booking{OK: status != 0, N: req.N, Wait: time.Duration(wait) * time.Microsecond, At: time.UnixMicro(now + wait),
+		now: now, starts: tats, ends: tats}
+	if b.OK {
+		slot := now + wait
+		b.id = rand.Uint64()
+		b.ends = make([]int64, m)
+		for k, l := range limits {
+			b.ends[k] = max(b.starts[k], slot) + int64(req.N)*l.intervalMicros()
+		}
+		e.observer.ObserveDecision(label(keys[0]), Booked, b.Wait)
+	} else {
+		e.observer.ObserveDecision(label(keys[0]), Refused, b.Wait)
+	}
+	out.Booking = b
+	out.Recorded = status == 3
+	return out, nil
+}

@@ -1,0 +1,74 @@
+package throttle_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/slotbook/slotbook/internal/testhook"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+// TestBookRetry: on an explicit clock, a booking beyond KeepFrom is
+// recorded in the index and listed as due; the same member then gets it
+// back without a booking (the key is left as it was), once; bad input is
+// refused before any Redis call.
+func TestBookRetry(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := testhook.WithNow(context.Background(), 1_000_000_000)
+	lim := throttle.PerSecond(10, 0)
+	keys := []string{"r:{k}"}
+	idx := func(member string) throttle.RetryIndex {
+		return throttle.RetryIndex{Key: "r:{k}:asynq", Member: member, KeepFrom: 150 * time.Millisecond, Window: time.Second, MaxDue: 10}
+	}
+	book := func(member string) throttle.RetryBooking {
+		t.Helper()
+		rb, err := e.eng.BookRetry(ctx, keys, []throttle.Limit{lim}, throttle.Request{N: 1, MaxWait: time.Minute}, idx(member))
+		require.NoError(t, err)
+		return rb
+	}
+	for i, member := range []string{"a", "b", "c"} {
+		rb := book(member)
+		require.True(t, rb.OK)
+		require.False(t, rb.Recalled)
+		require.Equal(t, time.Duration(i)*100*time.Millisecond, rb.Wait)
+		require.Equal(t, i == 2, rb.Recorded, "recorded only beyond KeepFrom (booking %d)", i)
+	}
+	rb := book("d")
+	require.True(t, rb.Recorded)
+	require.Equal(t, map[string]time.Time{"c": time.UnixMicro(1_000_200_000), "d": time.UnixMicro(1_000_300_000)}, rb.Due)
+
+	tat, err := e.rdb.Get(context.Background(), e.prefix+"r:{k}").Result()
+	require.NoError(t, err)
+	rb = book("c")
+	require.True(t, rb.Recalled)
+	require.True(t, rb.OK)
+	require.Equal(t, 200*time.Millisecond, rb.Wait)
+	require.Equal(t, time.UnixMicro(1_000_200_000), rb.At)
+	after, err := e.rdb.Get(context.Background(), e.prefix+"r:{k}").Result()
+	require.NoError(t, err)
+	require.Equal(t, tat, after, "a recalled booking books nothing")
+	rb = book("c")
+	require.False(t, rb.Recalled, "recalled once")
+	require.Equal(t, 400*time.Millisecond, rb.Wait)
+
+	// Forget takes entries out.
+	i := idx("e")
+	i.Forget = []string{"d", "c"}
+	rb, err = e.eng.BookRetry(ctx, keys, []throttle.Limit{lim}, throttle.Request{N: 1, MaxWait: time.Minute}, i)
+	require.NoError(t, err)
+	require.Equal(t, map[string]time.Time{"e": time.UnixMicro(1_000_500_000)}, rb.Due)
+
+	before := e.calls.Load()
+	for name, bad := range map[string]throttle.RetryIndex{
+		"no member":      {Key: "r:{k}:asynq"},
+		"other hash tag": {Key: "r:{other}:asynq", Member: "m"},
+	} {
+		_, err := e.eng.BookRetry(ctx, keys, []throttle.Limit{lim}, throttle.Request{N: 1}, bad)
+		require.ErrorIs(t, err, throttle.ErrInvalidRequest, name)
+	}
+	require.Equal(t, before, e.calls.Load(), "no Redis call for bad input")
+}
