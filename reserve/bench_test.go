@@ -2,8 +2,13 @@ package reserve_test
 
 import (
 	"context"
+	"fmt"
+	"runtime"
+	"sync/atomic"
 	"testing"
+	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/internal/contention"
@@ -67,5 +72,148 @@ func BenchmarkCoalescingSpeedup(b *testing.B) {
 		b.ReportMetric(callsOn, "calls/reservation")
 		b.ReportMetric(on, "coalesced-res/s")
 		b.ReportMetric(off, "uncoalesced-res/s")
+	}
+}
+
+// BenchmarkReserveScaling reserves under a limit never reached from 1, 4
+// and 64 goroutines (more than one through SetParallelism, so on a
+// GOMAXPROCS that divides them), on one hot key and on
+// 10,000 keys, coalesced and not: ns/op and allocs/op are per reservation,
+// calls/op the Redis calls per reservation. It is the benchmark to profile
+// the client path with:
+//
+//	go test -run '^$' -bench 'ReserveScaling/keys=1/g=64/coalesced' -cpuprofile cpu.out ./reserve
+func BenchmarkReserveScaling(b *testing.B) {
+	for _, keys := range []int{1, 10_000} {
+		names := make([]string, keys)
+		for i := range names {
+			names[i] = fmt.Sprintf("k%d", i)
+		}
+		for _, g := range []int{1, 4, 64} {
+			for _, coalesce := range []bool{true, false} {
+				mode := "coalesced"
+				if !coalesce {
+					mode = "uncoalesced"
+				}
+				b.Run(fmt.Sprintf("keys=%d/g=%d/%s", keys, g, mode), func(b *testing.B) {
+					e := newEnv(b)
+					l, err := reserve.New(e.eng, "bench", highLimit, reserve.WithCoalescing(coalesce))
+					require.NoError(b, err)
+					require.NoError(b, e.eng.Load(context.Background()))
+					procs := runtime.GOMAXPROCS(0)
+					var next atomic.Int64
+					before := e.calls.Load()
+					b.ReportAllocs()
+					b.ResetTimer()
+					if g == 1 {
+						ctx := context.Background()
+						for i := 0; i < b.N; i++ {
+							if _, err := l.Reserve(ctx, names[i%keys]); err != nil {
+								b.Fatal(err)
+							}
+						}
+						b.ReportMetric(float64(e.calls.Load()-before)/float64(b.N), "calls/op")
+						return
+					}
+					b.SetParallelism(max(1, g/procs))
+					b.RunParallel(func(pb *testing.PB) {
+						ctx := context.Background()
+						i := int(next.Add(7919))
+						for pb.Next() {
+							i++
+							if _, err := l.Reserve(ctx, names[i%keys]); err != nil {
+								b.Error(err)
+								return
+							}
+						}
+					})
+					b.ReportMetric(float64(e.calls.Load()-before)/float64(b.N), "calls/op")
+				})
+			}
+		}
+	}
+}
+
+// instantRedis answers the engine's booking scripts at once, booking every
+// request with no wait, so that BenchmarkClientPath measures the client's
+// own cost per reservation (the reserve and throttle layers, without
+// go-redis or a network): what it costs beside the round trip every
+// limiter pays.
+type instantRedis struct{}
+
+func (instantRedis) reply(ctx context.Context, args []any) *redis.Cmd {
+	m, reqs := 1, 1
+	if len(args) != 5 { // the batch script: now, m, m limits, n requests
+		m = args[1].(int)
+		reqs = (len(args) - 2 - 2*m) / 2
+	}
+	now := time.Now().UnixMicro()
+	vals := make([]any, 0, 1+(2+m)*reqs)
+	vals = append(vals, now)
+	for i := 0; i < reqs; i++ {
+		vals = append(vals, int64(1), int64(0))
+		for k := 0; k < m; k++ {
+			vals = append(vals, now+int64(i+1))
+		}
+	}
+	cmd := redis.NewCmd(ctx)
+	cmd.SetVal(vals)
+	return cmd
+}
+
+func (r instantRedis) Eval(ctx context.Context, _ string, _ []string, args ...any) *redis.Cmd {
+	return r.reply(ctx, args)
+}
+
+func (r instantRedis) EvalSha(ctx context.Context, _ string, _ []string, args ...any) *redis.Cmd {
+	return r.reply(ctx, args)
+}
+
+func (r instantRedis) EvalRO(ctx context.Context, _ string, _ []string, args ...any) *redis.Cmd {
+	return r.reply(ctx, args)
+}
+
+func (r instantRedis) EvalShaRO(ctx context.Context, _ string, _ []string, args ...any) *redis.Cmd {
+	return r.reply(ctx, args)
+}
+
+func (instantRedis) ScriptExists(ctx context.Context, hashes ...string) *redis.BoolSliceCmd {
+	cmd := redis.NewBoolSliceCmd(ctx)
+	cmd.SetVal(make([]bool, len(hashes)))
+	return cmd
+}
+
+func (instantRedis) ScriptLoad(ctx context.Context, _ string) *redis.StringCmd {
+	return redis.NewStringCmd(ctx)
+}
+
+// BenchmarkClientPath is the client's own cost per reservation, one
+// goroutine, against a Redis stand-in that answers at once: ns/op and
+// allocs/op of the reserve and throttle layers alone.
+func BenchmarkClientPath(b *testing.B) {
+	for _, coalesce := range []bool{true, false} {
+		for _, dl := range []bool{false, true} {
+			name := fmt.Sprintf("coalesce=%v/deadline=%v", coalesce, dl)
+			b.Run(name, func(b *testing.B) {
+				eng, err := throttle.New(instantRedis{}, throttle.WithTimeout(5*time.Second))
+				require.NoError(b, err)
+				l, err := reserve.New(eng, "bench", highLimit, reserve.WithCoalescing(coalesce))
+				require.NoError(b, err)
+				ctx := context.Background()
+				if dl {
+					var cancel context.CancelFunc
+					ctx, cancel = context.WithTimeout(ctx, time.Hour)
+					defer cancel()
+				}
+				b.ReportAllocs()
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					r, err := l.Reserve(ctx, "k")
+					if err != nil || !r.OK() {
+						b.Fatal(err, r.Err())
+					}
+				}
+			})
+		}
 	}
 }

@@ -20,7 +20,9 @@ import (
 // the load.
 const defaultMaxQueue = 4 * throttle.MaxBatch
 
-// queue is the state of one key with a call in flight.
+// queue is the state of one key with a call in flight and callers
+// waiting. A key with a call in flight and no one waiting has a nil queue
+// in Limiter.queues: a caller alone allocates none.
 type queue struct {
 	pending []*call
 }
@@ -30,38 +32,50 @@ type call struct {
 	ctx context.Context
 	n   int
 
-	res *Reservation // set, or err, before done is closed
+	res *Reservation // set, or err, before wake says done
 	err error
 
-	done  chan struct{}
-	lead  chan []*call // receives the batch this caller must send
-	taken bool         // guarded by Limiter.mu: moved from pending into a batch
+	// wake, made when the caller queues, receives at most two messages:
+	// the batch this caller must send (non-nil), and nil once its batch is
+	// back (its res or err set). A leader reads only the first.
+	wake  chan []*call
+	taken bool // guarded by Limiter.mu: moved from pending into a batch
+
+	self [1]*call // the batch of a caller sent alone
+}
+
+// alone returns the batch of c alone.
+func (c *call) alone() []*call {
+	c.self[0] = c
+	return c.self[:]
 }
 
 func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
 	l.mu.Lock()
 	q, busy := l.queues[key]
 	if !busy {
-		l.queues[key] = &queue{}
+		l.queues[key] = nil // in flight, no one waiting
 		l.mu.Unlock()
-		l.send(c.ctx, key, []*call{c})
+		l.send(c.ctx, key, c.alone())
 		return c.finish()
 	}
-	if len(q.pending) >= l.maxQueue {
+	if q == nil {
+		q = &queue{}
+		l.queues[key] = q
+	} else if len(q.pending) >= l.maxQueue {
 		l.mu.Unlock()
-		l.giveBackLate(c.ctx, key, l.book(c.ctx, key, []*call{c}), true)
+		l.giveBackLate(c.ctx, key, l.book(c.ctx, key, c.alone()), true)
 		return c.res, c.err
 	}
-	c.done = make(chan struct{})
-	c.lead = make(chan []*call, 1)
+	c.wake = make(chan []*call, 2)
 	q.pending = append(q.pending, c)
 	l.mu.Unlock()
 
 	select {
-	case batch := <-c.lead:
-		l.send(c.ctx, key, batch)
-		return c.finish()
-	case <-c.done:
+	case batch := <-c.wake:
+		if batch != nil {
+			l.send(c.ctx, key, batch)
+		}
 		return c.finish()
 	case <-c.ctx.Done():
 	}
@@ -81,10 +95,8 @@ func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
 	l.mu.Unlock()
 	// Taken: our request is in a batch. Send it if we lead, else wait for
 	// it; then give back anything booked for us.
-	select {
-	case batch := <-c.lead:
+	if batch := <-c.wake; batch != nil {
 		l.send(c.ctx, key, batch)
-	case <-c.done:
 	}
 	return c.finish()
 }
@@ -127,29 +139,31 @@ func (l *Limiter) send(ctx context.Context, key string, batch []*call) {
 	l.giveBackLate(ctx, key, late, len(batch) == 1)
 }
 
-// handOn wakes batch's callers, then hands the queue that built up
-// meanwhile to its first caller, or marks the key idle.
+// handOn hands the queue that built up meanwhile to its first caller, or
+// marks the key idle, and then wakes batch's callers: the next call is on
+// its way before the batch's callers are woken, so the key is not left
+// idle while they are.
 func (l *Limiter) handOn(key string, batch []*call) {
-	for _, c := range batch {
-		if c.done != nil {
-			close(c.done)
+	l.mu.Lock()
+	var next []*call
+	if q := l.queues[key]; q == nil || len(q.pending) == 0 {
+		delete(l.queues, key)
+	} else {
+		n := min(len(q.pending), throttle.MaxBatch)
+		next = make([]*call, n)
+		copy(next, q.pending)
+		q.pending = append(q.pending[:0], q.pending[n:]...)
+		for _, c := range next {
+			c.taken = true
 		}
 	}
-
-	l.mu.Lock()
-	q := l.queues[key]
-	if len(q.pending) == 0 {
-		delete(l.queues, key)
-		l.mu.Unlock()
-		return
-	}
-	n := min(len(q.pending), throttle.MaxBatch)
-	next := make([]*call, n)
-	copy(next, q.pending)
-	q.pending = append(q.pending[:0], q.pending[n:]...)
-	for _, c := range next {
-		c.taken = true
-	}
 	l.mu.Unlock()
-	next[0].lead <- next
+	if next != nil {
+		next[0].wake <- next
+	}
+	for _, c := range batch {
+		if c.wake != nil {
+			c.wake <- nil // never blocks: room for two, and this is the last
+		}
+	}
 }

@@ -10,7 +10,7 @@ func QueueLen(l *Limiter, key string) int {
 	k, _ := l.engineKey(key)
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if q, ok := l.queues[k]; ok {
+	if q := l.queues[k]; q != nil {
 		return len(q.pending)
 	}
 	return 0

@@ -1,12 +1,17 @@
 // Command slotbench measures slotbook against the alternatives, side by
 // side, against one real Redis in one run: memory per key, cost per check
-// (next to PING), behaviour under contention, and coalescing throughput.
+// (next to PING and to the floor any Lua GCRA pays), behaviour under
+// contention, and coalescing throughput. With -scaling it also measures
+// how cost grows with keys, clients and processes (fresh redis-servers, a
+// 3-master Redis Cluster, memory at up to a million keys; -plots writes the
+// curves as PNG files).
 // Absolute times on a shared machine mean little; the ratios, measured in
 // the same run against the same Redis, are the point. Each target is
 // printed with its ratio, and a missed target says so.
 //
 //	go run ./cmd/slotbench -quick                      # CI-sized, on a redis-server it starts
 //	go run ./cmd/slotbench -out BENCHMARKS.md          # the full run, written as Markdown
+//	go run ./cmd/slotbench -scaling -plots docs -out BENCHMARKS.md  # with the scaling runs
 //	go run ./cmd/slotbench -redis redis://127.0.0.1:6379/0 -json
 //
 // On a Redis of your own it writes keys named rate:slotbench-<run>-* and
@@ -23,6 +28,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"strconv"
@@ -42,6 +48,9 @@ import (
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
+	if spec := os.Getenv(workerEnv); spec != "" { // a process of a -scaling point
+		os.Exit(workerMain(ctx, spec, os.Stdin, os.Stdout, os.Stderr))
+	}
 	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr))
 }
 
@@ -53,6 +62,7 @@ type options struct {
 	keys       int
 	samples    int
 	contention time.Duration
+	scale      scaleOptions
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -66,6 +76,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&o.keys, "keys", 0, "keys for the memory measurement (default 10000; 2000 with -quick)")
 	fs.IntVar(&o.samples, "samples", 0, "calls per latency measurement (default 20000; 3000 with -quick)")
 	fs.DurationVar(&o.contention, "contention", 3*time.Second, "how long the contention clients start requests")
+	o.scale.register(fs)
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			fs.SetOutput(stderr)
@@ -83,6 +94,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	if o.keys < 100 || o.samples < 100 || o.contention <= 0 || fs.NArg() > 0 {
 		fmt.Fprintln(stderr, "slotbench: -keys and -samples want at least 100, -contention a positive duration, and no arguments")
+		return 2
+	}
+	if err := o.scale.check(o); err != nil {
+		fmt.Fprintln(stderr, "slotbench:", err)
 		return 2
 	}
 	rep, err := bench(ctx, o, stderr)
@@ -201,6 +216,13 @@ func bench(ctx context.Context, o options, stderr io.Writer) (*Report, error) {
 		_, err := eng.Book(ctx, run+"-lat-reserve", open, throttle.Request{N: 1, MaxWait: time.Second})
 		return err
 	}})
+	lp, stopLease, err := leaseProbe(ctx, ropts, eng, run) // lease.go
+	if err != nil {
+		return nil, fmt.Errorf("lease: %w", err)
+	}
+	defer stopLease()
+	latKeys = append(latKeys, "rate:"+run+"-lease:{lat}:lease:c")
+	probes = append(probes, lp)
 	latKeys = append(latKeys, run+"-lat-floor")
 	probes = append(probes,
 		probe{name: "reference: EVALSHA of an empty script", command: "evalsha", call: func(ctx context.Context) error {
@@ -222,6 +244,12 @@ func bench(ctx context.Context, o options, stderr io.Writer) (*Report, error) {
 	say("coalescing: 64 goroutines on one key")
 	if rep.Coalescing, err = measureCoalescing(ctx, ropts, run, map[bool]int{false: 50_000, true: 10_000}[o.quick]); err != nil {
 		return nil, err
+	}
+	if o.scale.on {
+		if rep.Scaling, err = measureScaling(ctx, o, say); err != nil {
+			return nil, err
+		}
+		rep.Scaling.linkBase = filepath.Dir(o.out)
 	}
 	rep.judge()
 	return rep, nil

@@ -14,7 +14,12 @@ import (
 	"github.com/slotbook/slotbook/internal/redistest"
 )
 
-func TestMain(m *testing.M) { redistest.Main(m) }
+func TestMain(m *testing.M) {
+	if spec := os.Getenv(workerEnv); spec != "" { // a process of a -scaling point
+		os.Exit(workerMain(context.Background(), spec, os.Stdin, os.Stdout, os.Stderr))
+	}
+	redistest.Main(m)
+}
 
 // TestSmallRun runs every measurement at a small size on redis-servers the
 // command starts itself, and checks the report holds every section and
@@ -32,11 +37,11 @@ func TestSmallRun(t *testing.T) {
 	var rep Report
 	require.NoError(t, json.Unmarshal(stdout.Bytes(), &rep))
 	require.Len(t, rep.Memory, 5)
-	require.Len(t, rep.Latency, 7)
+	require.Len(t, rep.Latency, 8) // with the lease row (lease.go)
 	require.Len(t, rep.Contention, 3)
 	require.True(t, rep.FreshServers)
 	require.NotEmpty(t, rep.Redis)
-	require.Len(t, rep.Targets, 10)
+	require.Len(t, rep.Targets, 12)
 	for _, m := range rep.Memory {
 		require.Positive(t, m.UsagePerKey, m.Name)
 	}

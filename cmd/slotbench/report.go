@@ -21,6 +21,7 @@ type Report struct {
 	Latency      []LatencyRow        `json:"latency"`
 	Contention   []contention.Result `json:"contention"`
 	Coalescing   CoalescingRow       `json:"coalescing"`
+	Scaling      *ScalingReport      `json:"scaling,omitempty"` // with -scaling
 	Targets      []Target            `json:"targets"`
 }
 
@@ -77,10 +78,19 @@ func (r *Report) judge() {
 		v = sb.UsagePerKey / rr.UsagePerKey
 		add("memory per key / redis_rate's", v, "< 1", v < 1)
 	}
+	// The per-call floor: what any Lua GCRA must do (TIME, GET, SET PX),
+	// and the script the common guides write.
 	res, rrl := r.latency("slotbook reserve"), r.latency("go-redis")
-	if res.PingP50 > 0 {
-		v := float64(res.P50) / float64(res.PingP50)
-		add("reserve p50 / PING p50", v, "<= 1.3", v <= 1.3)
+	ref, guide := r.latency("reference: a script doing only TIME"), r.latency("guide-style")
+	if ref.UsecPerCall > 0 && ref.P50 > 0 {
+		v := res.UsecPerCall / ref.UsecPerCall
+		add("server CPU per reserve / TIME+GET+SET PX reference's", v, "<= 1.10", v <= 1.10)
+		v = float64(res.P50) / float64(ref.P50)
+		add("reserve p50 / TIME+GET+SET PX reference's p50", v, "<= 1.05", v <= 1.05)
+	}
+	if guide.UsecPerCall > 0 {
+		v := res.UsecPerCall / guide.UsecPerCall
+		add("server CPU per reserve / guide-style float script's", v, "<= 1", v <= 1)
 	}
 	if rrl.UsecPerCall > 0 {
 		v := res.UsecPerCall / rrl.UsecPerCall
@@ -100,6 +110,7 @@ func (r *Report) judge() {
 		add("coalescing: reservations per second / uncoalesced", c.Speedup, ">= 3", c.Speedup >= 3)
 		add("coalescing: Redis calls per reservation", c.CallsPerReservation, "<= 0.3", c.CallsPerReservation <= 0.3)
 	}
+	r.judgeScaling()
 }
 
 func (r *Report) markdown() string {
@@ -152,6 +163,9 @@ func (r *Report) markdown() string {
 	p("\n## Coalescing\n\n64 goroutines reserving %d slots on one key under a limit never reached.\n\n", c.Reservations)
 	p("| | reservations/s | Redis calls/reservation |\n|---|---:|---:|\n")
 	p("| coalesced | %.0f | %.3f |\n| uncoalesced | %.0f | 1.000 |\n", c.CoalescedPerSec, c.CallsPerReservation, c.UncoalescedPerSec)
+	if r.Scaling != nil {
+		r.Scaling.markdown(&b)
+	}
 	return b.String()
 }
 
