@@ -2,6 +2,7 @@ package throttle
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"slices"
@@ -332,9 +333,33 @@ func (e *Engine) runReply(ctx context.Context, s *script, keys []string, args []
 	defer cancel()
 	start := time.Now()
 	reply, err := s.run(callCtx, e.rdb, full, args)
-	err = e.classify(ctx, node, probe, start, err)
+	err = e.classify(ctx, callCtx, node, probe, start, err)
 	e.observer.ObserveCall(label(keys[0]), time.Since(start), err)
 	return reply, err
+}
+
+// callerEnded returns the caller's context error if the call ended
+// because of it, not because of the engine's timeout: ctx is done, or its
+// deadline (no later than callCtx's, which adds the engine's timeout) has
+// passed. The second case matters because go-redis sets the socket's
+// deadline from the context's, and the socket's can fire before the
+// context's own timer says it is done: the call then fails with an i/o
+// timeout while ctx.Err() is still nil.
+func callerEnded(ctx, callCtx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	mine, ok := ctx.Deadline()
+	if !ok {
+		return nil
+	}
+	if engine, ok := callCtx.Deadline(); ok && engine.Before(mine) {
+		return nil // the engine's timeout came first
+	}
+	if time.Now().Before(mine) {
+		return nil
+	}
+	return context.DeadlineExceeded
 }
 
 // probeTimeouts is how many timeouts a probe of an open breaker may take.
@@ -349,14 +374,18 @@ var errBreakerOpen = fmt.Errorf("%w (failing fast until a probe succeeds)", ErrU
 // ErrReplyLost as well when the script may have run all the same; matching
 // ErrCorruptState for a stored value that is not a TAT. probe tells
 // whether the call was the open breaker's probe.
-func (e *Engine) classify(ctx context.Context, node string, probe bool, start time.Time, err error) error {
-	switch {
-	case err == nil:
+func (e *Engine) classify(ctx, callCtx context.Context, node string, probe bool, start time.Time, err error) error {
+	if err == nil {
 		e.breakers.success(node)
 		return nil
-	case ctx.Err() != nil: // the caller gave up: no verdict on Redis
+	}
+	switch ended := callerEnded(ctx, callCtx); {
+	case ended != nil: // the caller gave up: no verdict on Redis
 		if probe {
 			e.breakers.abandon(node)
+		}
+		if !errors.Is(err, ended) {
+			err = fmt.Errorf("%w: %w", ended, err)
 		}
 		if !notSent(err) {
 			return fmt.Errorf("%w: %w", ErrReplyLost, err)

@@ -58,3 +58,34 @@ func TestNoRetryAfterSend(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, first+time.Hour.Microseconds(), stored, "one booking, not two")
 }
+
+// TestCallerDeadlineIsNotAnOutage: a caller whose own context deadline
+// runs out while its reply is on the way gave up; Redis did not fail. The
+// socket's deadline (set from the context's) can fire before the context
+// says it is done, and such a call used to count as Redis unavailable and
+// open the breaker for every other caller. Its error matches the
+// context's (and ErrReplyLost: a booking may exist), never ErrUnavailable,
+// and the breaker stays closed.
+func TestCallerDeadlineIsNotAnOutage(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Shared(t)
+	proxy := redistest.NewProxy(t, srv.Addr)
+	proxy.SetReplyDelay(100 * time.Millisecond)
+	opts := srv.Options()
+	opts.Addr = proxy.Addr()
+	prefix := redistest.Prefix(t)
+	lim := throttle.PerSecond(1000, 10)
+	for i := 0; i < 30; i++ {
+		rdb := redis.NewClient(opts)
+		eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(10*time.Second))
+		require.NoError(t, err)
+		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		_, err = eng.Book(ctx, "k", lim, throttle.Request{N: 1, MaxWait: throttle.Forever})
+		cancel()
+		require.ErrorIs(t, err, context.DeadlineExceeded, "call %d", i)
+		require.NotErrorIs(t, err, throttle.ErrUnavailable, "call %d", i)
+		open, _ := eng.Unavailable()
+		require.False(t, open, "call %d: the breaker opened on a caller's own deadline", i)
+		_ = rdb.Close()
+	}
+}
