@@ -215,6 +215,9 @@ func (l *Limiter) engineKey(key string) (string, error) {
 	if len(k)+24 > throttle.MaxKeyLen { // room for a period suffix
 		return "", fmt.Errorf("%w: key of %d bytes", throttle.ErrInvalidRequest, len(key))
 	}
+	if err := throttle.CheckKey(k); err != nil { // a subject such as "}" leaves no hash tag
+		return "", err
+	}
 	return k, nil
 }
 

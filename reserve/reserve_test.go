@@ -174,9 +174,16 @@ func TestBadInput(t *testing.T) {
 		{"n above burst+1", context.Background(), "k", 7, throttle.ErrExceedsBurst},
 		{"empty key", context.Background(), "", 1, throttle.ErrInvalidRequest},
 		{"cancelled context", canceled, "k", 1, context.Canceled},
+		{"key that breaks the hash tag", context.Background(), "}", 1, throttle.ErrInvalidRequest},
 	}
 	for _, tc := range calls {
 		t.Run(tc.name, func(t *testing.T) {
+			if tc.ctx == context.Background() && tc.n >= 1 && tc.n <= 6 {
+				// What CheckKey says of a key is what a call finds.
+				if err := l.CheckKey(tc.key); !errors.Is(err, tc.want) {
+					t.Fatalf("CheckKey(%q) = %v, want %v", tc.key, err, tc.want)
+				}
+			}
 			before := e.calls.Load()
 			if _, err := l.ReserveN(tc.ctx, tc.key, tc.n); !errors.Is(err, tc.want) {
 				t.Fatalf("ReserveN = %v, want %v", err, tc.want)
