@@ -210,6 +210,14 @@ func TestClusterSaturatedClient(t *testing.T) {
 	}
 	t.Logf("%d calls of %d requests in %v: %d reached Redis, %d failed (%d at once)",
 		callers, throttle.MaxBatch, time.Since(start), sent, failed, fast)
+	// A call whose reply was lost may still be in the node's input when the
+	// count is read (a busy machine delays the server too): it is counted
+	// once the node has run it.
+	if sent+int64(fast) != int64(callers) {
+		require.Eventually(t, func() bool { return scriptCalls(t, node)-before+int64(fast) >= int64(callers) },
+			10*time.Second, 50*time.Millisecond, "calls that never reached Redis: the client's own saturation")
+		sent = scriptCalls(t, node) - before
+	}
 	require.Equal(t, int64(callers), sent+int64(fast), "calls that never reached Redis: the client's own saturation")
 }
 
