@@ -39,8 +39,10 @@
 //	                          connection: the script may have run
 //	client saturated          the client's own pool had no         ErrUnavailable       unchanged
 //	                          connection in time (pool timeout)
-//	caller gave up            the caller's context ended           ctx.Err() (+         unchanged
-//	                                                               ErrReplyLost if sent)
+//	caller gave up            the caller's context ended, or its   ctx.Err() (+         unchanged
+//	                          deadline passed before the engine's  ErrReplyLost if sent)
+//	                          timeout (the socket's deadline can
+//	                          fire before the context says so)
 //	configuration or data     NOAUTH, WRONGPASS, NOPERM,           Redis's error as is  stays closed
 //	                          WRONGTYPE, ErrCorruptState, any
 //	                          other error reply
