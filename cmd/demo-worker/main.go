@@ -70,6 +70,10 @@ type options struct {
 	plot     string
 	metrics  string
 
+	// The lease experiment.
+	leases int           // concurrency limit; 0: the rate modes instead
+	work   time.Duration // how long each job holds its lease
+
 	// Distributed mode.
 	processes int       // coordinator: worker processes to start
 	role      string    // "worker" for one of them
@@ -95,6 +99,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		err = worker(ctx, o, os.Stdin, stdout)
 	case o.processes > 0:
 		err = coordinate(ctx, o, stdout, stderr)
+	case o.leases > 0:
+		err = leaseDemo(ctx, o, stdout)
 	default:
 		err = demo(ctx, o, stdout, stderr)
 	}
@@ -124,6 +130,8 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.IntVar(&o.processes, "processes", 0, "distributed mode: share the -clients between this many worker processes on one key, and print their combined table")
 	fs.StringVar(&o.role, "role", "", `"worker": run as one process of a distributed run (needs -key, and -redis or `+redisURLEnv+` in the environment)`)
 	fs.StringVar(&o.key, "key", "", "distributed mode: the key the processes share")
+	fs.IntVar(&o.leases, "leases", 0, "run the lease experiment instead: at most this many jobs at once across processes (package lease), each at a slot of the rate")
+	fs.DurationVar(&o.work, "work", 300*time.Millisecond, "the lease experiment: how long each job holds its lease")
 	startNS := fs.Int64("start-unix-ns", 0, "distributed mode: when the workers begin")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -163,6 +171,10 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		return o, fmt.Errorf("-plot %q: want a .png file", o.plot)
 	case o.processes > 0 && set["modes"] && strings.TrimSpace(*modes) != "reserve":
 		return o, fmt.Errorf("-processes runs the reserve mode only, not -modes %q", *modes)
+	case o.leases < 0 || o.work <= 0:
+		return o, fmt.Errorf("-leases %d, -work %v: want -leases >= 0 and a positive -work", o.leases, o.work)
+	case o.leases > 0 && (o.processes > 0 || o.role != "" || set["modes"] || o.plot != "" || o.metrics != ""):
+		return o, errors.New("-leases runs an experiment of its own: it does not take -processes, -modes, -plot or -metrics")
 	case o.processes > 0 && (o.plot != "" || o.metrics != ""):
 		return o, errors.New("-processes does not take -plot or -metrics (its workers are other processes)")
 	}
