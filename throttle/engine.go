@@ -272,7 +272,7 @@ func (e *Engine) node(ctx context.Context, key string) string {
 func (e *Engine) Load(ctx context.Context) error {
 	ctx, cancel := e.callContext(ctx)
 	defer cancel()
-	for _, s := range []*script{bookScript, book1Script, refundScript, heartbeatScript, blockScript, resetScript, windowScript} {
+	for _, s := range []*script{bookScript, book1Script, refundScript, heartbeatScript, blockScript, resetScript, windowScript, stateScript} {
 		if err := s.Load(ctx, e.rdb).Err(); err != nil {
 			return fmt.Errorf("throttle: load scripts: %w", err)
 		}

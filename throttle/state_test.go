@@ -9,6 +9,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/slotbook/slotbook/internal/callcount"
+	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -208,4 +210,21 @@ func TestStateBadInput(t *testing.T) {
 			require.Equal(t, before, e.calls.Load(), "no Redis call for bad input")
 		})
 	}
+}
+
+// TestLoadIncludesState: after Load, the first State is one call (no
+// NOSCRIPT round trip), as the first booking is.
+func TestLoadIncludesState(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t) // a server of its own: its script cache starts empty
+	rdb := srv.Client(t)
+	calls := callcount.Attach(rdb)
+	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(10*time.Second))
+	require.NoError(t, err)
+	ctx := context.Background()
+	require.NoError(t, eng.Load(ctx))
+	before := calls.Load()
+	_, err = eng.State(ctx, []string{"k"}, []throttle.Limit{tenPerSecond})
+	require.NoError(t, err)
+	require.Equal(t, int64(1), calls.Load()-before, "State after Load: one call")
 }
