@@ -259,7 +259,7 @@ func (l *Limiter) localReserve(key string, n int, now time.Time, budget time.Dur
 }
 
 // fallbackReserve answers one request from the fallback.
-func (l *Limiter) fallbackReserve(key string, n int, now time.Time, budget time.Duration, cause error) *Reservation {
+func (l *Limiter) fallbackReserve(ctx context.Context, key string, n int, now time.Time, budget time.Duration, cause error) *Reservation {
 	f := l.fallback
 	obs := l.eng.Observer()
 	r := &Reservation{lim: l, key: key, fallback: true}
@@ -270,8 +270,7 @@ func (l *Limiter) fallbackReserve(key string, n int, now time.Time, budget time.
 	}
 	switch f.kind {
 	case failClosed:
-		_, probe := l.eng.Unavailable()
-		return refuse(probe)
+		return refuse(l.probeIn(ctx, key))
 	case failOpen, localShare:
 		local, delay, ok := l.localReserve(key, n, now, budget)
 		if !ok {
@@ -284,13 +283,23 @@ func (l *Limiter) fallbackReserve(key string, n int, now time.Time, budget time.
 	return r
 }
 
+// probeIn is how long until the engine next probes the Redis node that
+// holds key (with a Redis Cluster, the master that owns its slot: another
+// node's breaker may have opened sooner or later), FailClosed's retry-after.
+// It is 0 if that node's breaker is closed: the call failed without opening
+// it (a client saturated), and the next call goes to Redis.
+func (l *Limiter) probeIn(ctx context.Context, key string) time.Duration {
+	_, in := l.eng.UnavailableFor(ctx, key)
+	return in
+}
+
 // fallbackAllow answers a check-mode request from the fallback.
-func (l *Limiter) fallbackAllow(key string, n int) (throttle.Result, error) {
+func (l *Limiter) fallbackAllow(ctx context.Context, key string, n int) (throttle.Result, error) {
 	f := l.fallback
 	obs := l.eng.Observer()
 	switch f.kind {
 	case failClosed:
-		_, probe := l.eng.Unavailable()
+		probe := l.probeIn(ctx, key)
 		obs.ObserveDecision(l.name, throttle.FallbackRefused, probe)
 		return throttle.Result{RetryAfter: probe}, nil
 	}

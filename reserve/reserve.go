@@ -260,7 +260,7 @@ func (l *Limiter) AllowN(ctx context.Context, key string, n int) (throttle.Resul
 	case err == nil:
 		l.heartbeat(ctx)
 	case l.fallback != nil && errors.Is(err, throttle.ErrUnavailable) && ctx.Err() == nil:
-		return l.fallbackAllow(k, n)
+		return l.fallbackAllow(ctx, k, n)
 	}
 	return res, err
 }
@@ -404,7 +404,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 			}
 			// The local slot is taken now: the budget from now.
 			budget, _ := deadline.Budget(s.c.ctx, arrived, l.maxWait, l.work)
-			s.c.res = l.fallbackReserve(key, s.c.n, arrived, budget, err)
+			s.c.res = l.fallbackReserve(s.c.ctx, key, s.c.n, arrived, budget, err)
 			continue
 		}
 		if err != nil {
