@@ -23,10 +23,10 @@ for i = 1, #KEYS do
   local interval, tau = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
   -- The first slot is tat - tau: put it at until_.
   local target = until_ + tau
-  local old = stored(KEYS[i], interval, tau)
+  local old = stored(KEYS[i], now, interval, tau)
   local tat = target
   if old and old >= target then tat = old + 1 end
-  redis.call('SET', KEYS[i], string.format('%d', tat), 'PX', px(tat))
+  redis.call('SET', KEYS[i], string.format('%d', tat), 'PX', px(tat, now, hold))
   out[#out + 1] = tat
 end
 return out

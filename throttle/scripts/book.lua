@@ -18,23 +18,27 @@
 --
 -- Returns {now, then per request: booked (1/0), wait, tat_1 .. tat_m}, the
 -- TATs the request was judged against (before it was booked: the caller
--- computes the TATs after, for a refund to restore). Values stay integral: a Lua number handed to
--- Redis is formatted with %.17g, so SET gets string.format.
+-- computes the TATs after, for a refund to restore). Values stay integral.
+-- SET gets them through string.format('%d'): Redis 7.0 formats a Lua
+-- number argument with snprintf's %.17g, which costs more.
 -- now: set by clock.lua, put before this script by the engine.
 
-local m = tonumber(ARGV[2])
+-- x + 0 converts as tonumber(x) does, without a function call.
+local m = ARGV[2] + 0
 local interval, tau, tat, first = {}, {}, {}, {}
 for i = 1, m do
-  interval[i] = tonumber(ARGV[1 + 2 * i])
-  tau[i] = tonumber(ARGV[2 + 2 * i])
-  tat[i] = math.max(stored(KEYS[i], interval[i], tau[i]) or now, now)
-  first[i] = tat[i]
+  interval[i] = ARGV[1 + 2 * i] + 0
+  tau[i] = ARGV[2 + 2 * i] + 0
+  local t = stored(KEYS[i], now, interval[i], tau[i]) or now
+  if t < now then t = now end
+  tat[i] = t
+  first[i] = t
 end
 
 local out = {now}
 for r = 3 + 2 * m, #ARGV, 2 do
-  local n = tonumber(ARGV[r])
-  local maxwait = tonumber(ARGV[r + 1])
+  local n = ARGV[r] + 0
+  local maxwait = ARGV[r + 1] + 0
   local slot = now
   for i = 1, m do
     local at = tat[i] + (n - 1) * interval[i] - tau[i]
@@ -56,7 +60,7 @@ end
 for i = 1, m do
   if tat[i] ~= first[i] then
     redis.call('SET', KEYS[i], string.format('%d', tat[i]),
-      'PX', px(tat[i]))
+      'PX', px(tat[i], now, hold))
   end
 end
 return out

@@ -30,16 +30,16 @@ local slot = tonumber(ARGV[2])
 local out = {now}
 local live = slot > now and redis.call('EXISTS', KEYS[m + 1]) == 0
 if live then
-  redis.call('SET', KEYS[m + 1], '1', 'PX', px(slot))
+  redis.call('SET', KEYS[m + 1], '1', 'PX', px(slot, now, hold))
 end
 for i = 1, m do
   local give = 0
   if live then
     local before, after = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
-    if stored(KEYS[i]) == after then
+    if stored(KEYS[i], now) == after then
       give = after - math.max(before, now)
       if before > now then
-        redis.call('SET', KEYS[i], string.format('%d', before), 'PX', px(before))
+        redis.call('SET', KEYS[i], string.format('%d', before), 'PX', px(before, now, hold))
       else
         redis.call('DEL', KEYS[i])
       end

@@ -22,7 +22,7 @@ for i = 1, #KEYS do
   if limits then
     interval, tau = tonumber(ARGV[2 * i]), tonumber(ARGV[1 + 2 * i])
   end
-  local tat = stored(KEYS[i], interval, tau)
+  local tat = stored(KEYS[i], now, interval, tau)
   if tat then
     out[#out + 1] = 1
     out[#out + 1] = tat
