@@ -231,8 +231,8 @@ func bench(ctx context.Context, o options, stderr io.Writer) (*Report, error) {
 		probe{name: "reference: a script doing only TIME, GET, SET PX", command: "evalsha", call: func(ctx context.Context) error {
 			return floorScript.Run(ctx, rdb, []string{run + "-lat-floor"}).Err()
 		}})
-	say("latency: %d kinds of call, %d each, in 10 interleaved rounds", len(probes), o.samples)
-	if rep.Latency, err = measureLatency(ctx, rdb, probes, o.samples, 10); err != nil {
+	say("latency: %d kinds of call, %d each, in %d interleaved rounds", len(probes), o.samples, latencyRounds(o.samples))
+	if rep.Latency, err = measureLatency(ctx, rdb, probes, o.samples, latencyRounds(o.samples)); err != nil {
 		return nil, err
 	}
 	_ = rdb.Del(ctx, latKeys...).Err()
@@ -325,8 +325,15 @@ type LatencyRow struct {
 	P99         time.Duration `json:"p99_ns"`
 	PingP50     time.Duration `json:"ping_p50_ns"`
 	PingP99     time.Duration `json:"ping_p99_ns"`
-	UsecPerCall float64       `json:"server_usec_per_call"` // Redis CPU, from INFO commandstats
+	UsecPerCall float64       `json:"server_usec_per_call"` // Redis CPU, from INFO commandstats (median over rounds)
 }
+
+// latencyRounds is how many rounds measureLatency splits n calls of each
+// probe into: rounds of 100 calls (at least 10 rounds). Short rounds, many
+// of them, so that a stretch of time the server loses to other processes
+// (on a busy machine) falls into few of them, and the median over rounds
+// passes it by.
+func latencyRounds(n int) int { return max(10, n/100) }
 
 // probe is one kind of call to time.
 type probe struct {
@@ -337,11 +344,14 @@ type probe struct {
 // measureLatency times n calls of each probe, each call after a PING, in
 // rounds: every round runs n/rounds calls of each probe in turn. The
 // server's CPU per call comes from the INFO commandstats deltas of each
-// probe's own phases.
+// probe's own phases: the median over the rounds of each round's
+// microseconds per call. (A mean over all calls is at the mercy of the
+// one round in which the machine took the server's core away: commandstats
+// times each command by the clock, not by CPU.)
 func measureLatency(ctx context.Context, rdb *redis.Client, probes []probe, n, rounds int) ([]LatencyRow, error) {
 	type acc struct {
-		took, ping  []time.Duration
-		calls, usec int64
+		took, ping []time.Duration
+		perCall    []float64 // server µs per call, one per round
 	}
 	accs := make([]acc, len(probes))
 	for _, p := range probes { // warm up: connections, script cache
@@ -374,8 +384,9 @@ func measureLatency(ctx context.Context, rdb *redis.Client, probes []probe, n, r
 			if err != nil {
 				return nil, err
 			}
-			accs[k].calls += calls1 - calls0
-			accs[k].usec += usec1 - usec0
+			if calls1 > calls0 {
+				accs[k].perCall = append(accs[k].perCall, float64(usec1-usec0)/float64(calls1-calls0))
+			}
 		}
 	}
 	rows := make([]LatencyRow, len(probes))
@@ -383,8 +394,9 @@ func measureLatency(ctx context.Context, rdb *redis.Client, probes []probe, n, r
 		rows[k].Name = p.name
 		rows[k].P50, rows[k].P99 = percentiles(accs[k].took)
 		rows[k].PingP50, rows[k].PingP99 = percentiles(accs[k].ping)
-		if accs[k].calls > 0 {
-			rows[k].UsecPerCall = float64(accs[k].usec) / float64(accs[k].calls)
+		if pc := accs[k].perCall; len(pc) > 0 {
+			slices.Sort(pc)
+			rows[k].UsecPerCall = pc[len(pc)/2]
 		}
 	}
 	return rows, nil

@@ -145,7 +145,7 @@ func (r *Report) markdown() string {
 		p("| %s | %.1f | %.1f |\n", m.Name, m.InfoPerKey, m.UsagePerKey)
 	}
 
-	p("\n## Cost per check\n\nEach call timed after a PING timed in the same loop, the kinds of call interleaved in rounds; server CPU from INFO commandstats. ")
+	p("\n## Cost per check\n\nEach call timed after a PING timed in the same loop, the kinds of call interleaved in rounds of 100 calls (10 rounds at least); server CPU from INFO commandstats, the median over the rounds of each round's µs per call. ")
 	p("The two reference rows bound what a GCRA script can cost here: an empty script is what any EVALSHA costs, and a script doing only TIME, GET and SET PX (no arithmetic) is what every GCRA in this table must do.\n\n")
 	p("| call | p50 | p99 | PING p50 | PING p99 | p50 / PING p50 | server µs/call |\n|---|---:|---:|---:|---:|---:|---:|\n")
 	for _, l := range r.Latency {
