@@ -7,6 +7,7 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -36,48 +37,66 @@ const (
 // backoff has passed; the first success closes it. Calls to other nodes
 // are not affected.
 //
-// Changes are told to the observer under the lock, so an observer sees
-// each node's openings and closings in the order they happened.
+// While a breaker is closed a call takes no lock: allow and success read
+// and write atomics only. Every change of state is made under the lock,
+// and told to the observer under it, so an observer sees each node's
+// openings and closings in the order they happened.
 type breakers struct {
 	min, max time.Duration
 	obs      Observer
 	nodeObs  NodeObserver // obs, if it is one; else nil
 
-	mu    sync.Mutex          // guards nodes and nOpen; held while the observer is told of a change
-	nodes map[string]*breaker // by node address; entries are never removed (one per node ever called)
-	nOpen int                 // breakers open
+	mu    sync.Mutex // guards every breaker's state changes and nOpen; held while the observer is told of a change
+	nodes sync.Map   // node address -> *breaker; entries are never removed (one per node ever called)
+	nOpen int        // breakers open
 }
 
-// breaker is one node's state, guarded by breakers.mu.
+// breaker is one node's state.
 type breaker struct {
-	open        bool
-	probing     bool
-	next        time.Time
-	backoff     time.Duration
-	lastSuccess time.Time // when the last call to the node succeeded
+	node string
+	// open is written under breakers.mu and read without it on the fast
+	// path; a reader that sees it set takes the lock to act on it.
+	open atomic.Bool
+	// lastSuccess is when the last call to the node succeeded, in
+	// monotonic nanoseconds (see monoNow), or 0.
+	lastSuccess atomic.Int64
+
+	// Guarded by breakers.mu:
+	probing bool
+	next    time.Time
+	backoff time.Duration
 }
+
+// monoBase anchors monoNow.
+var monoBase = time.Now()
+
+// monoNow returns t as nanoseconds on the monotonic clock since monoBase
+// (at least 1, so that 0 can mean never).
+func monoNow(t time.Time) int64 { return max(1, int64(t.Sub(monoBase))) }
 
 func newBreakers() *breakers {
-	return &breakers{min: DefaultProbeMin, max: DefaultProbeMax, obs: nopObserver{}, nodes: make(map[string]*breaker)}
+	return &breakers{min: DefaultProbeMin, max: DefaultProbeMax, obs: nopObserver{}}
 }
 
-// get returns node's breaker, creating it closed. Call with bs.mu held.
+// get returns node's breaker, creating it closed.
 func (bs *breakers) get(node string) *breaker {
-	b, ok := bs.nodes[node]
-	if !ok {
-		b = &breaker{}
-		bs.nodes[node] = b
+	if b, ok := bs.nodes.Load(node); ok {
+		return b.(*breaker)
 	}
-	return b
+	b, _ := bs.nodes.LoadOrStore(node, &breaker{node: node})
+	return b.(*breaker)
 }
 
-// allow reports whether a call may go to node now, and whether it goes as
-// the probe of an open breaker.
-func (bs *breakers) allow(node string) (ok, probe bool) {
+// allowB reports whether a call may go to b's node now, and whether it
+// goes as the probe of an open breaker. It takes no lock while b is
+// closed.
+func (bs *breakers) allowB(b *breaker) (ok, probe bool) {
+	if !b.open.Load() {
+		return true, false
+	}
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
-	b := bs.get(node)
-	if !b.open {
+	if !b.open.Load() {
 		return true, false
 	}
 	if b.probing || time.Now().Before(b.next) {
@@ -92,25 +111,30 @@ func (bs *breakers) allow(node string) (ok, probe bool) {
 func (bs *breakers) state() (open bool, probeIn time.Duration) {
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
-	for _, b := range bs.nodes {
-		if b.open {
+	bs.nodes.Range(func(_, v any) bool {
+		if b := v.(*breaker); b.open.Load() {
 			in := max(0, time.Until(b.next))
 			if !open || in < probeIn {
 				probeIn = in
 			}
 			open = true
 		}
-	}
+		return true
+	})
 	return open, probeIn
 }
 
 // stateOf reports whether node's breaker is open and how long until its
 // next probe may go.
 func (bs *breakers) stateOf(node string) (open bool, probeIn time.Duration) {
+	v, ok := bs.nodes.Load(node)
+	if !ok || !v.(*breaker).open.Load() {
+		return false, 0
+	}
+	b := v.(*breaker)
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
-	b, ok := bs.nodes[node]
-	if !ok || !b.open {
+	if !b.open.Load() {
 		return false, 0
 	}
 	return true, max(0, time.Until(b.next))
@@ -122,16 +146,22 @@ func (bs *breakers) stateOf(node string) (open bool, probeIn time.Duration) {
 // starved goroutine, a lost packet), not Redis's, and the breaker stays
 // closed, so a busy client never fails every caller at once (or hands them
 // all to the fallback).
-func (bs *breakers) failure(node string, start time.Time) {
+func (bs *breakers) failure(node string, start time.Time) { bs.failureB(bs.get(node), start) }
+
+// failureB is failure for a breaker in hand.
+func (bs *breakers) failureB(b *breaker, start time.Time) {
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
-	b := bs.get(node)
-	if !b.open && b.lastSuccess.After(start) {
-		return
-	}
-	opened := !b.open
+	opened := !b.open.Load()
 	if opened {
-		b.open = true
+		// Open first, then look for a success since start: a success
+		// stores its time before it reads open (successB), so either we
+		// see its time here, or it sees the breaker open and closes it.
+		b.open.Store(true)
+		if b.lastSuccess.Load() > monoNow(start) {
+			b.open.Store(false)
+			return
+		}
 		b.backoff = bs.min
 	} else if b.probing {
 		b.backoff = min(2*b.backoff, bs.max)
@@ -139,32 +169,37 @@ func (bs *breakers) failure(node string, start time.Time) {
 	b.probing = false
 	b.next = time.Now().Add(b.backoff)
 	if opened {
-		bs.changed(node, true)
+		bs.changed(b.node, true)
 	}
 }
 
 // success records a call to node that Redis answered.
-func (bs *breakers) success(node string) {
+func (bs *breakers) success(node string) { bs.successB(bs.get(node), time.Now()) }
+
+// successB is success for a breaker in hand, of a call that ended at end:
+// no lock unless the breaker is open.
+func (bs *breakers) successB(b *breaker, end time.Time) {
+	b.lastSuccess.Store(monoNow(end))
+	if !b.open.Load() {
+		return
+	}
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
-	b := bs.get(node)
-	closed := b.open
-	b.open, b.probing = false, false
-	b.lastSuccess = time.Now()
-	if closed {
-		bs.changed(node, false)
+	if !b.open.Load() {
+		return
 	}
+	b.open.Store(false)
+	b.probing = false
+	bs.changed(b.node, false)
 }
 
-// abandon releases node's probe if the call was one and ended without a
-// verdict (the caller's context ended, or the client had no connection to
-// send it on).
-func (bs *breakers) abandon(node string) {
+// abandonB releases the probe of b's node, for a call that was the probe
+// and ended without a verdict (the caller's context ended, or the client
+// had no connection to send it on).
+func (bs *breakers) abandonB(b *breaker) {
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
-	if b, ok := bs.nodes[node]; ok {
-		b.probing = false
-	}
+	b.probing = false
 }
 
 // changed tells the observer that node's breaker opened or closed, and the

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -89,7 +90,86 @@ type Engine struct {
 	// out: the client's own saturation is never mistaken for Redis being
 	// down.
 	gates *gates
+
+	// clientBound is the longest of the client's own read, write and dial
+	// timeouts when all are set (0 otherwise): where it is no longer than
+	// a call's timeout, the client bounds each step of the call already,
+	// and the engine adds no deadline of its own (see bound).
+	clientBound time.Duration
+
+	cluster *redis.ClusterClient // rdb, if it is a Cluster client
+	fixed   *nodeRef             // the one node of a client that is not a Cluster
+	refs    sync.Map             // node name -> *nodeRef, one per node ever called
+	slots   *slotCache           // for a Cluster: each slot's node, as last looked up
 }
+
+// nodeRef is what a call needs of its Redis node: its name, its breaker
+// and its connection gate (nil when the pool's size is unknown).
+type nodeRef struct {
+	name string
+	b    *breaker
+	gate chan struct{}
+}
+
+// ref returns node's nodeRef, creating it on first use.
+func (e *Engine) ref(node string) *nodeRef {
+	if r, ok := e.refs.Load(node); ok {
+		return r.(*nodeRef)
+	}
+	r, _ := e.refs.LoadOrStore(node, &nodeRef{name: node, b: e.breakers.get(node), gate: e.gates.of(node)})
+	return r.(*nodeRef)
+}
+
+// slotCache remembers, per Redis Cluster hash slot, the node that the
+// client's slot map last named for it, so that a call does not look it up
+// (under a timeout context of its own) every time. An entry is trusted for
+// slotCacheTTL, and dropped at once when a call to its node fails as
+// unavailable or is refused by the node's open breaker, so that after a
+// failover or a resharding calls are soon counted against the node that
+// now serves the slot. (The node only picks the breaker a call is counted
+// against: the client routes the command by its own slot map.)
+type slotCache [clusterSlots]atomic.Pointer[slotEntry]
+
+type slotEntry struct {
+	ref *nodeRef
+	at  int64 // monoNow when looked up
+}
+
+// slotCacheTTL is how long a slot's cached node is trusted.
+const slotCacheTTL = time.Second
+
+// clusterSlots is the number of Redis Cluster hash slots.
+const clusterSlots = 16384
+
+// keySlot returns the Redis Cluster hash slot of a (prefixed) key: CRC16
+// (XMODEM) of its hash tag, or of the whole key if it has none, modulo
+// 16384, as the cluster spec defines it.
+func keySlot(key string) int {
+	if tag := HashTag(key); tag != "" {
+		key = tag
+	}
+	var crc uint16
+	for i := 0; i < len(key); i++ {
+		crc = crc<<8 ^ crc16Table[byte(crc>>8)^key[i]]
+	}
+	return int(crc) % clusterSlots
+}
+
+// crc16Table is the table of CRC16/XMODEM (polynomial 0x1021).
+var crc16Table = func() (t [256]uint16) {
+	for i := range t {
+		c := uint16(i) << 8
+		for range 8 {
+			if c&0x8000 != 0 {
+				c = c<<1 ^ 0x1021
+			} else {
+				c <<= 1
+			}
+		}
+		t[i] = c
+	}
+	return t
+}()
 
 // gates are the engine's per-node connection gates (see Engine.gates).
 type gates struct {
@@ -129,6 +209,17 @@ func WithPrefix(prefix string) Option {
 // timeouts. A bound needs a go-redis client built with
 // ContextTimeoutEnabled: true (without it a context deadline does not cut a
 // socket read short); New reports a client that lacks it.
+//
+// The bound costs a timer per call, which the engine saves where it is
+// not needed: when the caller's context has a deadline no later than the
+// bound, and when the client's own ReadTimeout, WriteTimeout and
+// DialTimeout are all set and none is longer than the bound (each step
+// of a call is then cut short by the client: a Client or ClusterClient
+// only). In the second case a call that has to dial is bounded by the
+// client's DialTimeout per attempt, with its DialerRetries, and one that
+// waits for a pooled connection inside the client by its PoolTimeout (a
+// saturated client, see the package doc), rather than by the engine's
+// timeout as a whole.
 func WithTimeout(d time.Duration) Option {
 	return func(e *Engine) error {
 		if d < 0 {
@@ -195,7 +286,35 @@ func New(rdb redis.Scripter, opts ...Option) (*Engine, error) {
 	if n := poolSize(rdb); n > 0 {
 		e.gates = &gates{size: n, byNode: make(map[string]chan struct{})}
 	}
+	e.clientBound = clientBound(rdb)
+	if c, ok := rdb.(*redis.ClusterClient); ok {
+		e.cluster = c
+		e.slots = new(slotCache)
+	} else {
+		e.fixed = e.ref(e.addr)
+	}
 	return e, nil
+}
+
+// clientBound returns the longest of rdb's read, write and dial timeouts,
+// or 0 if any is unset (no bound) or rdb is of a kind whose options are
+// not read here.
+func clientBound(rdb redis.Scripter) time.Duration {
+	var r, w, d time.Duration
+	switch c := rdb.(type) {
+	case *redis.Client:
+		o := c.Options()
+		r, w, d = o.ReadTimeout, o.WriteTimeout, o.DialTimeout
+	case *redis.ClusterClient:
+		o := c.Options()
+		r, w, d = o.ReadTimeout, o.WriteTimeout, o.DialTimeout
+	default:
+		return 0
+	}
+	if r <= 0 || w <= 0 || d <= 0 {
+		return 0
+	}
+	return max(r, w, d)
 }
 
 // poolSize returns the size of rdb's connection pool for one node (a
@@ -254,17 +373,38 @@ func (e *Engine) UnavailableFor(ctx context.Context, key string) (bool, time.Dur
 // ("cluster" if it cannot be read: the client reads it on first use);
 // for a plain client, its address; for other clients, "redis".
 func (e *Engine) node(ctx context.Context, key string) string {
-	c, ok := e.rdb.(*redis.ClusterClient)
-	if !ok {
-		return e.addr
+	r, _ := e.nodeFor(ctx, key, time.Now())
+	return r.name
+}
+
+// nodeFor returns the nodeRef of the node that holds the prefixed key (see
+// node), and whether it came from the slot cache (a Cluster's, looked up
+// within slotCacheTTL before now).
+func (e *Engine) nodeFor(ctx context.Context, key string, now time.Time) (r *nodeRef, cached bool) {
+	if e.cluster == nil {
+		return e.fixed, false
+	}
+	slot := &e.slots[keySlot(key)]
+	mono := monoNow(now)
+	if en := slot.Load(); en != nil && mono-en.at < int64(slotCacheTTL) {
+		return en.ref, true
 	}
 	ctx, cancel := e.callContext(ctx)
 	defer cancel()
-	m, err := c.MasterForKey(ctx, key)
+	m, err := e.cluster.MasterForKey(ctx, key)
 	if err != nil {
-		return "cluster"
+		return e.ref("cluster"), false
 	}
-	return m.Options().Addr
+	r = e.ref(m.Options().Addr)
+	slot.Store(&slotEntry{ref: r, at: mono})
+	return r, false
+}
+
+// forgetSlot drops the cached node of the prefixed key's slot, if any.
+func (e *Engine) forgetSlot(key string) {
+	if e.slots != nil {
+		e.slots[keySlot(key)].Store(nil)
+	}
 }
 
 // Load sends the engine's scripts to Redis, so that the first booking does
@@ -306,6 +446,23 @@ func (e *Engine) callContext(ctx context.Context) (context.Context, context.Canc
 	return withTimeout(ctx, e.timeout)
 }
 
+// bound returns ctx bounded by the timeout d of a call starting at now, as
+// withTimeout does, but without a timer of its own where none is needed:
+// where ctx's own deadline comes no later, or where the client's own
+// timeouts bound each step of the call (clientBound, no longer than d).
+// A call's errors are classed the same either way (see callerEnded).
+func (e *Engine) bound(ctx context.Context, d time.Duration, now time.Time) (context.Context, context.CancelFunc) {
+	if d <= 0 || (e.clientBound > 0 && e.clientBound <= d) {
+		return ctx, noCancel
+	}
+	if dl, ok := ctx.Deadline(); ok && !dl.After(now.Add(d)) {
+		return ctx, noCancel
+	}
+	return context.WithTimeout(ctx, d)
+}
+
+func noCancel() {}
+
 // withTimeout bounds ctx by d, if d is positive.
 func withTimeout(ctx context.Context, d time.Duration) (context.Context, context.CancelFunc) {
 	if d > 0 {
@@ -315,7 +472,11 @@ func withTimeout(ctx context.Context, d time.Duration) (context.Context, context
 }
 
 // int64s checks that reply is an array of exactly want integers.
-func int64s(reply any, want int) ([]int64, error) {
+func int64s(reply any, want int) ([]int64, error) { return int64sCap(reply, want, 0) }
+
+// int64sCap is int64s with room for extra more values after the reply's,
+// zero, within the returned slice's length (want+extra).
+func int64sCap(reply any, want, extra int) ([]int64, error) {
 	arr, ok := reply.([]any)
 	if !ok {
 		return nil, fmt.Errorf("unexpected reply %T, want an array", reply)
@@ -323,7 +484,7 @@ func int64s(reply any, want int) ([]int64, error) {
 	if len(arr) != want {
 		return nil, fmt.Errorf("unexpected reply of %d values, want %d", len(arr), want)
 	}
-	out := make([]int64, want)
+	out := make([]int64, want+extra)
 	for i, v := range arr {
 		n, ok := v.(int64)
 		if !ok {

@@ -166,15 +166,22 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 
 	// Both scripts answer {now, then per request: booked, wait, m TATs}.
 	per := 2 + m
-	vals, err := e.run(ctx, script, keys, args, 1+per*len(reqs))
+	want := 1 + per*len(reqs)
+	reply, err := e.runReply(ctx, script, keys, args)
+	var vals []int64
+	if err == nil {
+		// Room after the reply's values for every booking's ends: one
+		// allocation for both.
+		vals, err = int64sCap(reply, want, m*len(reqs))
+	}
 	if err != nil {
 		return nil, fmt.Errorf("throttle: book %q: %w", keys[0], err)
 	}
 	now := vals[0]
 	out := make([]Booking, len(reqs))
-	var ends []int64 // every booking's ends, in one allocation
+	ends := vals[want : want+m*len(reqs)]
 	for i, r := range reqs {
-		v := vals[1+per*i : 1+per*(i+1)]
+		v := vals[1+per*i : 1+per*(i+1) : 1+per*(i+1)]
 		b := Booking{
 			OK:     v[0] == 1,
 			N:      r.N,
@@ -187,9 +194,6 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 		if b.OK { // each limit advanced from the slot: tat = max(tat, slot) + n*I
 			slot := now + v[1]
 			b.id = rand.Uint64()
-			if ends == nil {
-				ends = make([]int64, m*len(reqs))
-			}
 			b.ends = ends[m*i : m*(i+1) : m*(i+1)]
 			for k, l := range limits {
 				b.ends[k] = max(b.starts[k], slot) + int64(r.N)*l.intervalMicros()
@@ -306,19 +310,35 @@ func (e *Engine) runReply(ctx context.Context, s *script, keys []string, args []
 	for i, k := range keys {
 		full[i] = e.prefix + k
 	}
-	node := e.node(ctx, full[0])
-	ok, probe := e.breakers.allow(node) // before the gate: fail fast without queueing
+	now := time.Now()
+	ref, cached := e.nodeFor(ctx, full[0], now)
+	ok, probe := e.breakers.allowB(ref.b) // before the gate: fail fast without queueing
+	if !ok && cached {
+		// The slot may have moved off the node since it was cached: look
+		// again before failing fast.
+		e.forgetSlot(full[0])
+		ref, cached = e.nodeFor(ctx, full[0], now)
+		ok, probe = e.breakers.allowB(ref.b)
+	}
+	if e.cluster != nil && !cached {
+		now = time.Now() // the lookup may have read the cluster's slot map
+	}
 	if !ok {
 		return nil, errBreakerOpen
 	}
-	if gate := e.gates.of(node); gate != nil {
+	if gate := ref.gate; gate != nil {
 		select {
 		case gate <- struct{}{}:
-		case <-ctx.Done():
-			if probe {
-				e.breakers.abandon(node)
+		default: // every connection busy: wait, bounded by the caller's context
+			select {
+			case gate <- struct{}{}:
+			case <-ctx.Done():
+				if probe {
+					e.breakers.abandonB(ref.b)
+				}
+				return nil, ctx.Err()
 			}
-			return nil, ctx.Err()
+			now = time.Now()
 		}
 		defer func() { <-gate }()
 	}
@@ -329,12 +349,15 @@ func (e *Engine) runReply(ctx context.Context, s *script, keys []string, args []
 		// that is merely busy from failing its probes and every call.
 		timeout *= probeTimeouts
 	}
-	callCtx, cancel := withTimeout(ctx, timeout)
+	callCtx, cancel := e.bound(ctx, timeout, now)
 	defer cancel()
-	start := time.Now()
 	reply, err := s.run(callCtx, e.rdb, full, args)
-	err = e.classify(ctx, callCtx, node, probe, start, err)
-	e.observer.ObserveCall(label(keys[0]), time.Since(start), err)
+	end := time.Now()
+	err = e.classify(ctx, callCtx, ref, probe, now, end, err)
+	if err != nil && e.slots != nil && errors.Is(err, ErrUnavailable) {
+		e.forgetSlot(full[0])
+	}
+	e.observer.ObserveCall(label(keys[0]), end.Sub(now), err)
 	return reply, err
 }
 
@@ -374,15 +397,15 @@ var errBreakerOpen = fmt.Errorf("%w (failing fast until a probe succeeds)", ErrU
 // ErrReplyLost as well when the script may have run all the same; matching
 // ErrCorruptState for a stored value that is not a TAT. probe tells
 // whether the call was the open breaker's probe.
-func (e *Engine) classify(ctx, callCtx context.Context, node string, probe bool, start time.Time, err error) error {
+func (e *Engine) classify(ctx, callCtx context.Context, node *nodeRef, probe bool, start, end time.Time, err error) error {
 	if err == nil {
-		e.breakers.success(node)
+		e.breakers.successB(node.b, end)
 		return nil
 	}
 	switch ended := callerEnded(ctx, callCtx); {
 	case ended != nil: // the caller gave up: no verdict on Redis
 		if probe {
-			e.breakers.abandon(node)
+			e.breakers.abandonB(node.b)
 		}
 		if !errors.Is(err, ended) {
 			err = fmt.Errorf("%w: %w", ended, err)
@@ -393,17 +416,17 @@ func (e *Engine) classify(ctx, callCtx context.Context, node string, probe bool,
 		return err
 	case saturated(err): // the client's own pool: no verdict on Redis either
 		if probe {
-			e.breakers.abandon(node)
+			e.breakers.abandonB(node.b)
 		}
 		return fmt.Errorf("%w: %w", ErrUnavailable, err)
 	case unavailable(err):
-		e.breakers.failure(node, start)
+		e.breakers.failureB(node.b, start)
 		if !notSent(err) {
 			return fmt.Errorf("%w: %w: %w", ErrUnavailable, ErrReplyLost, err)
 		}
 		return fmt.Errorf("%w: %w", ErrUnavailable, err)
 	default: // Redis answered, with an error
-		e.breakers.success(node)
+		e.breakers.successB(node.b, end)
 		if msg, ok := strings.CutPrefix(err.Error(), "SLOTBOOK_CORRUPT "); ok {
 			msg, _, _ = strings.Cut(msg, " script: ") // Redis appends where in the script
 			return fmt.Errorf("%w: %s", ErrCorruptState, msg)
