@@ -217,3 +217,60 @@ func BenchmarkClientPath(b *testing.B) {
 		}
 	}
 }
+
+// instantHook answers the engine's script calls on a real go-redis
+// Client as instantRedis does, without a network: the command never
+// leaves the process, so BenchmarkClientPathGoRedis measures the reserve
+// and throttle layers plus go-redis's own command handling, with the
+// engine's choices that depend on the client's type (its options).
+type instantHook struct{}
+
+func (instantHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (instantHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+func (instantHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		a := cmd.Args()
+		if name := cmd.Name(); name != "evalsha" && name != "eval" {
+			return next(ctx, cmd)
+		}
+		keys := a[2].(int)
+		cmd.(interface{ SetVal(any) }).SetVal(instantRedis{}.reply(ctx, a[3+keys:]).Val())
+		return nil
+	}
+}
+
+// BenchmarkClientPathGoRedis is BenchmarkClientPath through a go-redis
+// Client (default options, the engine's timeout 5s) whose commands are
+// answered in process by instantHook.
+func BenchmarkClientPathGoRedis(b *testing.B) {
+	for _, coalesce := range []bool{true, false} {
+		for _, dl := range []bool{false, true} {
+			name := fmt.Sprintf("coalesce=%v/deadline=%v", coalesce, dl)
+			b.Run(name, func(b *testing.B) {
+				rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", ContextTimeoutEnabled: true})
+				b.Cleanup(func() { _ = rdb.Close() })
+				rdb.AddHook(instantHook{})
+				eng, err := throttle.New(rdb, throttle.WithTimeout(5*time.Second))
+				require.NoError(b, err)
+				l, err := reserve.New(eng, "bench", highLimit, reserve.WithCoalescing(coalesce))
+				require.NoError(b, err)
+				ctx := context.Background()
+				if dl {
+					var cancel context.CancelFunc
+					ctx, cancel = context.WithTimeout(ctx, time.Hour)
+					defer cancel()
+				}
+				b.ReportAllocs()
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					r, err := l.Reserve(ctx, "k")
+					if err != nil || !r.OK() {
+						b.Fatal(err, r.Err())
+					}
+				}
+			})
+		}
+	}
+}

@@ -10,10 +10,11 @@ import (
 // Coalescing (group commit): at most one Redis call per key is in flight
 // from a Limiter. A caller that finds none in flight sends its request at
 // once, alone. Callers that arrive meanwhile queue; when the call returns,
-// its sender hands the whole queue (up to throttle.MaxBatch) to the first
-// of them, which sends it as one batch call and in turn hands on whatever
-// queued meanwhile. No goroutine is started: each batch is sent by one of
-// its own callers.
+// its sender names the first of them the next leader and wakes it, after
+// the batch's own callers. The leader takes whatever has queued by the
+// time it runs, itself first (up to throttle.MaxBatch), sends it as one
+// batch call, and in turn hands on to whoever queued meanwhile. No
+// goroutine is started: each batch is sent by one of its own callers.
 
 // defaultMaxQueue bounds the callers queued for one key. Past it, callers
 // make calls of their own, uncoalesced, so memory stays bounded whatever
@@ -35,11 +36,11 @@ type call struct {
 	res *Reservation // set, or err, before wake says done
 	err error
 
-	// wake, made when the caller queues, receives at most two messages:
-	// the batch this caller must send (non-nil), and nil once its batch is
-	// back (its res or err set). A leader reads only the first.
-	wake  chan []*call
-	taken bool // guarded by Limiter.mu: moved from pending into a batch
+	// wake, made when the caller queues, says true if the caller is to
+	// lead the next batch (which it reads before sending it), and false
+	// once the caller's batch is back (its res or err set).
+	wake  chan bool
+	taken bool // guarded by Limiter.mu: out of pending, into a batch or leading one
 
 	self [1]*call // the batch of a caller sent alone
 }
@@ -67,20 +68,20 @@ func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
 		l.giveBackLate(c.ctx, key, l.book(c.ctx, key, c.alone()), true)
 		return c.res, c.err
 	}
-	c.wake = make(chan []*call, 2)
+	c.wake = make(chan bool, 1)
 	q.pending = append(q.pending, c)
 	l.mu.Unlock()
 
 	select {
-	case batch := <-c.wake:
-		if batch != nil {
-			l.send(c.ctx, key, batch)
+	case lead := <-c.wake:
+		if lead {
+			l.lead(key, c)
 		}
 		return c.finish()
 	case <-c.ctx.Done():
 	}
 
-	// Cancelled while queued: leave the queue if the batch has not taken us.
+	// Cancelled while queued: leave the queue if no batch has taken us.
 	l.mu.Lock()
 	if !c.taken {
 		for i, p := range q.pending {
@@ -93,12 +94,33 @@ func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
 		return nil, c.ctx.Err()
 	}
 	l.mu.Unlock()
-	// Taken: our request is in a batch. Send it if we lead, else wait for
-	// it; then give back anything booked for us.
-	if batch := <-c.wake; batch != nil {
-		l.send(c.ctx, key, batch)
+	// Taken: our request is in a batch, or we lead the next one. Send it if
+	// we lead, else wait for it; then give back anything booked for us.
+	if <-c.wake {
+		l.lead(key, c)
 	}
 	return c.finish()
+}
+
+// lead sends, for leader c (taken by handOn), the batch of c and the
+// callers queued for key by now.
+func (l *Limiter) lead(key string, c *call) {
+	l.mu.Lock()
+	batch := c.alone()
+	if q := l.queues[key]; q != nil && len(q.pending) > 0 {
+		n := min(len(q.pending), throttle.MaxBatch-1)
+		batch = make([]*call, 0, 1+n)
+		batch = append(batch, c)
+		batch = append(batch, q.pending[:n]...)
+		for _, p := range q.pending[:n] {
+			p.taken = true
+		}
+		rest := copy(q.pending, q.pending[n:])
+		clear(q.pending[rest:])
+		q.pending = q.pending[:rest]
+	}
+	l.mu.Unlock()
+	l.send(c.ctx, key, batch)
 }
 
 // finish returns the call's outcome once its batch is back. A caller whose
@@ -139,31 +161,32 @@ func (l *Limiter) send(ctx context.Context, key string, batch []*call) {
 	l.giveBackLate(ctx, key, late, len(batch) == 1)
 }
 
-// handOn hands the queue that built up meanwhile to its first caller, or
-// marks the key idle, and then wakes batch's callers: the next call is on
-// its way before the batch's callers are woken, so the key is not left
-// idle while they are.
+// handOn names the first caller queued meanwhile the key's next leader,
+// or marks the key idle, and wakes batch's callers and then the leader.
+// Go's scheduler tends to run the goroutine woken last first where the
+// sender yields, but the leader takes its batch only when it runs, so the
+// callers just woken that queue again before then go in it too. The key
+// stays marked busy until the leader has sent its batch and handed on in
+// turn, so no other call for it goes out meanwhile.
 func (l *Limiter) handOn(key string, batch []*call) {
 	l.mu.Lock()
-	var next []*call
+	var next *call
 	if q := l.queues[key]; q == nil || len(q.pending) == 0 {
 		delete(l.queues, key)
 	} else {
-		n := min(len(q.pending), throttle.MaxBatch)
-		next = make([]*call, n)
-		copy(next, q.pending)
-		q.pending = append(q.pending[:0], q.pending[n:]...)
-		for _, c := range next {
-			c.taken = true
-		}
+		next = q.pending[0]
+		next.taken = true
+		rest := copy(q.pending, q.pending[1:])
+		q.pending[rest] = nil
+		q.pending = q.pending[:rest]
 	}
 	l.mu.Unlock()
-	if next != nil {
-		next[0].wake <- next
-	}
 	for _, c := range batch {
 		if c.wake != nil {
-			c.wake <- nil // never blocks: room for two, and this is the last
+			c.wake <- false // never blocks: room for one, and a leader has read its true
 		}
+	}
+	if next != nil {
+		next.wake <- true
 	}
 }

@@ -362,10 +362,12 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 		budget time.Duration
 		bound  error
 	}
+	// A caller alone (the common case) needs no slices on the heap.
 	var (
-		reqs []throttle.Request
-		out  []sent
+		reqBuf [1]throttle.Request
+		outBuf [1]sent
 	)
+	reqs, out := reqBuf[:0], outBuf[:0]
 	for _, c := range calls {
 		if _, ok := c.ctx.Deadline(); ok && now.IsZero() {
 			now = l.clock.Now()
@@ -386,7 +388,14 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 	if len(reqs) == 0 {
 		return nil
 	}
-	bs, err := l.eng.BookAll(ctx, l.keysOf(key), l.limits, reqs)
+	var one [1]string // the keys of a single limit, off the heap
+	keys := one[:]
+	if len(l.limits) == 1 {
+		one[0] = key
+	} else {
+		keys = l.keysOf(key)
+	}
+	bs, err := l.eng.BookAll(ctx, keys, l.limits, reqs)
 	// The waits were measured on the Redis clock at some point before the
 	// reply arrived; counting them from the arrival never starts early.
 	arrived := l.clock.Now()
