@@ -139,9 +139,15 @@ func (e *RateLimitedError) Unwrap() error { return e.Err }
 //		}
 //		report(t, err)
 //	}),
+//
+// A refusal that ends the task is not one: on the task's last attempt
+// (asynq archives a task whose retries are used up, whatever IsFailure
+// says), or when WithInspector finds it could not come back before its
+// deadline, the refusal wraps asynq.SkipRetry and IsRefusal reports false,
+// so that such a handler reports the task asynq archives.
 func IsRefusal(err error) bool {
 	var e *RateLimitedError
-	return errors.As(err, &e)
+	return errors.As(err, &e) && !errors.Is(err, asynq.SkipRetry)
 }
 
 // IsRateLimited reports whether err is (or wraps) a *RateLimitedError.
@@ -249,7 +255,11 @@ func WithMaxWait(d time.Duration) Option {
 // to asynq without running: with a Timeout of 2 s, a slot 1.8 s away and
 // a handler that takes 300 ms, a work estimate of 300 ms or more sends the
 // task back to run later instead of letting asynq cancel it at its
-// timeout, which would count as a failure and use up a retry.
+// timeout, which would count as a failure and use up a retry. A task whose
+// deadline, when its handler starts, is closer than the work estimate can
+// never run (every attempt has the same Timeout; a Deadline only comes
+// closer): it is archived at once (its error wraps asynq.SkipRetry), with
+// no call to the limiter's Redis.
 func WithWorkEstimate(d time.Duration) Option {
 	return func(c *config) error {
 		if d < 0 {
@@ -395,12 +405,14 @@ func newMiddleware(lim *reserve.Limiter, opts ...Option) (*middleware, error) {
 			return nil, err
 		}
 	}
-	m := &middleware{cfg: cfg, lim: lim, last: lim, interval: lim.Limit().Interval(), returns: map[string]time.Time{}}
-	m.tolerance = m.interval
 	var base []reserve.Option
-	if cfg.work > 0 {
+	if cfg.work == 0 {
+		cfg.work = lim.WorkEstimate() // the limiter's, for the deadline checks
+	} else {
 		base = append(base, reserve.WithWorkEstimate(cfg.work))
 	}
+	m := &middleware{cfg: cfg, lim: lim, last: lim, interval: lim.Limit().Interval(), returns: map[string]time.Time{}}
+	m.tolerance = m.interval
 	var err error
 	if cfg.maxWait != nil || len(base) > 0 {
 		o := base
@@ -430,6 +442,16 @@ func newMiddleware(lim *reserve.Limiter, opts ...Option) (*middleware, error) {
 func (m *middleware) wrap(next asynq.Handler) asynq.Handler {
 	return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
 		key := m.cfg.key(ctx, t)
+		// A deadline closer than the work estimate will not move away:
+		// asynq gives every attempt the same Timeout, and an absolute
+		// Deadline only comes closer. No slot can ever fit: archive the
+		// task now rather than send it back forever, with no Redis call.
+		if dl, ok := ctx.Deadline(); ok && m.cfg.work > 0 {
+			if left := time.Until(dl); left < m.cfg.work {
+				return fmt.Errorf("asynqadapter: %v left before the task's deadline, less than the work estimate %v: it cannot run: %w",
+					left.Round(time.Millisecond), m.cfg.work, asynq.SkipRetry)
+			}
+		}
 		lim, last := m.lim, lastAttempt(ctx)
 		if last {
 			lim = m.last
@@ -515,6 +537,9 @@ func (m *middleware) refused(ctx context.Context, key string, refusal error) err
 		back = m.returnSlot(key, now, fits)
 	}
 	e := &RateLimitedError{Key: key, RetryAfter: back, Err: refusal}
+	if lastAttempt(ctx) {
+		return fmt.Errorf("%w (its last attempt: archived): %w", e, asynq.SkipRetry)
+	}
 	if m.cfg.insp != nil {
 		if err := m.pastDeadline(ctx, now.Add(wholeSecond(now, back))); err != nil {
 			return fmt.Errorf("%w: %w", e, err)

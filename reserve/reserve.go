@@ -197,6 +197,10 @@ func (l *Limiter) MaxWait() (time.Duration, bool) {
 	return l.maxWait, l.maxWait != deadline.NoCap
 }
 
+// WorkEstimate returns the work estimate (WithWorkEstimate): how much time
+// a slot must leave before the caller's deadline. 0 if none is set.
+func (l *Limiter) WorkEstimate() time.Duration { return l.work }
+
 // CheckKey reports whether key is an acceptable subject key: not empty,
 // and not so long that the engine would refuse it. The error matches
 // throttle.ErrInvalidRequest.
