@@ -70,7 +70,11 @@ func LocalShare(interval time.Duration, assumed, maxKeys int) Fallback {
 	return Fallback{kind: localShare, every: interval, instances: assumed, maxKeys: maxKeys, configured: true}
 }
 
-// WithFallback sets how the Limiter answers while Redis is unavailable.
+// WithFallback sets how the Limiter answers while Redis is unavailable:
+// for a call that failed with throttle.ErrUnavailable while the breaker of
+// the Redis node that holds its key is open. A call that failed while the
+// breaker stayed closed (the client's own saturation: Redis is up) gets its
+// error, and the fallback admits nothing on top of what Redis admits.
 func WithFallback(f Fallback) Option {
 	return func(l *Limiter) error {
 		if !f.configured {
@@ -281,6 +285,22 @@ func (l *Limiter) fallbackReserve(ctx context.Context, key string, n int, now ti
 	}
 	obs.ObserveDecision(l.name, throttle.FallbackAllowed, r.act.Sub(now))
 	return r
+}
+
+// useFallback reports whether the fallback answers a call for key that
+// failed with err: when the call found Redis unavailable and the breaker
+// of the node that holds key is open. A call that failed while the
+// breaker stayed closed (the client's own saturation: no connection in
+// time, or a call that lost the race with a success since it started) is
+// not Redis being down: its caller gets the error, and FailOpen and
+// LocalShare admit nothing on top of what Redis admits, so that load alone
+// never turns the limit off.
+func (l *Limiter) useFallback(ctx context.Context, key string, err error) bool {
+	if err == nil || l.fallback == nil || !errors.Is(err, throttle.ErrUnavailable) {
+		return false
+	}
+	open, _ := l.eng.UnavailableFor(ctx, key)
+	return open
 }
 
 // probeIn is how long until the engine next probes the Redis node that

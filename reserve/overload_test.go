@@ -69,14 +69,18 @@ func TestOverloadKeepsTheLimit(t *testing.T) {
 	t.Run("fail open", func(t *testing.T) {
 		allowed, calls, failed, elapsed := run(t, reserve.WithFallback(reserve.FailOpen()))
 		t.Logf("fail open: %d allowed of %d calls (%d failed) in %v", allowed, calls, failed, elapsed)
-		require.Zero(t, failed)
-		require.LessOrEqual(t, allowed, 2*bound(elapsed), "Redis's share and at most one local limit's worth")
+		// A call the client itself could not serve (no connection in
+		// time, the breaker closed) fails rather than go to the fallback,
+		// which would admit on top of Redis: a few, never wholesale.
+		require.LessOrEqual(t, failed*10, calls, "at most one call in ten fails")
+		require.LessOrEqual(t, allowed, 2*bound(elapsed), "Redis's share and at most one local limit's worth while the breaker is open")
 		require.GreaterOrEqual(t, allowed, int64(limit.Burst+1), "the limit still lets its burst through")
 	})
 	t.Run("no fallback", func(t *testing.T) {
 		allowed, calls, failed, elapsed := run(t)
 		t.Logf("no fallback: %d allowed of %d calls (%d failed) in %v", allowed, calls, failed, elapsed)
 		require.LessOrEqual(t, allowed, bound(elapsed))
+		require.LessOrEqual(t, failed*10, calls, "at most one call in ten fails")
 	})
 }
 

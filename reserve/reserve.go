@@ -263,7 +263,7 @@ func (l *Limiter) AllowN(ctx context.Context, key string, n int) (throttle.Resul
 	switch {
 	case err == nil:
 		l.heartbeat(ctx)
-	case l.fallback != nil && errors.Is(err, throttle.ErrUnavailable) && ctx.Err() == nil:
+	case l.useFallback(ctx, k, err) && ctx.Err() == nil:
 		return l.fallbackAllow(ctx, k, n)
 	}
 	return res, err
@@ -406,7 +406,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 	if err == nil {
 		l.heartbeat(ctx)
 	}
-	useFallback := err != nil && l.fallback != nil && errors.Is(err, throttle.ErrUnavailable)
+	useFallback := l.useFallback(ctx, key, err)
 	for i, s := range out {
 		if useFallback {
 			if cerr := s.c.ctx.Err(); cerr != nil {
