@@ -315,7 +315,9 @@ func WithInspector(insp *asynq.Inspector) Option {
 // Config.DelayedTaskCheckInterval (default 5 s, asynq's default): a task
 // sent back is moved from the retry set to its queue only that often, so
 // it may run up to that long after the time it was sent back for. Used by
-// the deadline check of WithInspector.
+// the deadline check of WithInspector, and by booked retries
+// (WithBookedRetries), whose tasks are due back one check interval before
+// their slot: with the default, 5 s, they hold workers that much longer.
 func WithCheckInterval(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {

@@ -15,17 +15,31 @@ import (
 )
 
 // WithBookedRetries turns on booked retries: a task whose slot lies beyond
-// the max wait, but within horizon and before the handler's deadline (less
-// the work estimate), has that slot booked anyway, in the same Redis call
-// that judged it, and goes back to asynq (a refusal, not a failure) to be
-// retried at the slot: asynq's whole second, rounded down, after which the
-// handler sleeps the rest. The booking is remembered in the limiter's
-// Redis under the task's id, in a sorted set per limiter key
-// ("name:{key}:asynq", the rate key's hash tag). When the task comes back,
-// to any server, it runs at its booking without booking again; if it comes
-// back late (every worker busy), it runs at once: its slot is spent, the
-// limit held. A task deleted or archived meanwhile leaves its booking
-// unused; the entry is dropped a minute after its slot.
+// the max wait, but within horizon and at least a second plus the work
+// estimate before the handler's deadline, has that slot booked anyway, in
+// the same Redis call that judged it, and goes back to asynq (a refusal,
+// not a failure) to be retried at the slot: due one check interval
+// (WithCheckInterval: set it to the servers' DelayedTaskCheckInterval)
+// before it, in asynq's whole seconds, rounded down, after which the
+// handler sleeps the rest. A slot less than one check interval away is
+// waited for in the handler instead, as far as the deadline allows: a task
+// sent back for it would be picked up after it. The booking is remembered
+// in the limiter's Redis under the task's queue, id and retry count, in a
+// sorted set per limiter key ("name:{key}:asynq", the rate key's hash
+// tag). When the task comes back, to any server, it runs at its booking
+// without booking again; if it comes back more than one interval of the
+// limit late (every worker busy), it books again. A task deleted or
+// archived meanwhile leaves its booking unused: the slot stays spent (the
+// key is booked up to it) and the entry is dropped a minute after it.
+//
+// Run booked retries on every server that serves a key: a server without
+// them books afresh for a task another has booked, and the booking lapses.
+// A horizon shorter than the queue of a busy key, or task Timeouts close
+// to the check interval plus the max wait, leave little to book ahead and
+// cost calls. If the limiter's Redis loses its state (a restart without
+// persistence), each process still runs the bookings it kept for the next
+// two seconds beside the new ones: for those seconds the limit is
+// exceeded (measured: 35 starts in a second at 20/s burst 4).
 //
 // The reply to each booking call also lists the bookings due within the
 // next two seconds, which the process keeps, so that most returning tasks
@@ -93,6 +107,16 @@ func (b *booked) take(subject, member string) (time.Time, bool) {
 	return at, ok
 }
 
+// forgetLater has the next call for subject take member out of the index.
+func (b *booked) forgetLater(subject, member string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	delete(b.due[subject], member)
+	if f := b.forget[subject]; len(f) < maxForget {
+		b.forget[subject] = append(f, member)
+	}
+}
+
 // enter makes the caller the one with a call in flight for subject, or
 // returns the channel closed when the current one returns.
 func (b *booked) enter(subject string) (wait chan struct{}, forget []string) {
@@ -150,8 +174,10 @@ func (m *middleware) bookedAttempt(ctx context.Context, key string, t *asynq.Tas
 		return fmt.Errorf("asynqadapter: %w", err), true
 	}
 	retried, _ := asynq.GetRetryCount(ctx)
+	queue, _ := asynq.GetQueueName(ctx)
 	// A task's own failure counts a retry: a booking is for one attempt.
-	member := id + ":" + strconv.Itoa(retried)
+	// Task ids are unique only within a queue: the member names both.
+	member := queue + ":" + id + ":" + strconv.Itoa(retried)
 	subject := m.lim.Name() + ":{" + key + "}"
 	var forget []string
 	for {
@@ -173,7 +199,20 @@ func (m *middleware) bookedAttempt(ctx context.Context, key string, t *asynq.Tas
 	}
 	now := time.Now()
 	keep, keepBound := deadline.Budget(ctx, now, b.runCap, m.cfg.work)
-	budget, bound := deadline.Budget(ctx, now, b.horizon, m.cfg.work)
+	// A slot less than one check interval away is waited for here, as far
+	// as the deadline allows: a task sent back for it would be due at once
+	// and picked up after it, late, to book again.
+	if within, _ := deadline.Budget(ctx, now, m.cfg.check, m.cfg.work); within > keep {
+		keep, keepBound = within, deadline.ErrWouldExceedDeadline
+		if within == m.cfg.check {
+			keepBound = deadline.ErrMaxWaitExceeded
+		}
+	}
+	// A slot booked for a later attempt must leave a margin before the
+	// deadline: the task is taken up again around the slot, and the work
+	// must end before the deadline (an absolute Deadline stays put).
+	budget, bound := deadline.Budget(ctx, now, b.horizon, m.cfg.work+deadlineMargin)
+	budget = max(budget, keep)
 	if budget < 0 {
 		b.leave(subject, member, throttle.RetryBooking{}, now, forget, true)
 		return m.refused(ctx, key, deadline.Refuse(bound, budget, 0)), true
@@ -200,8 +239,14 @@ func (m *middleware) bookedAttempt(ctx context.Context, key string, t *asynq.Tas
 		e := &RateLimitedError{Key: key, RetryAfter: max(0, back.Sub(arrived)), Slot: slot, back: back,
 			Err: deadline.Refuse(keepBound, keep, rb.Wait)}
 		if m.cfg.insp != nil {
-			if err := m.pastDeadline(ctx, slot); err != nil {
+			// Due back at back, taken up by the slot: pastDeadline's
+			// rule for a task due back at back, which the budget above
+			// keeps. Should it fail, the booking is given back and its
+			// entry forgotten, so that no attempt runs at a slot that is
+			// no longer its own.
+			if err := m.pastDeadline(ctx, back); err != nil {
 				m.giveBack(ctx, subject, rb.Booking)
+				b.forgetLater(subject, member)
 				return fmt.Errorf("%w: %w", e, err), true
 			}
 		}

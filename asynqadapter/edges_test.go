@@ -364,9 +364,9 @@ func TestBookedRetry(t *testing.T) {
 	require.Zero(t, ti.Retried)
 	require.Contains(t, ti.LastErr, "slot booked in")
 	sentBack := time.Now()
-	// The booking is in the index, under the task's id and retry count.
+	// The booking is in the index, under the task's queue, id and retry count.
 	look := redistest.Shared(t).Client(t) // not counted
-	score, err := look.ZScore(context.Background(), e.prefix+"tasks:{api:call}:asynq", info.ID+":0").Result()
+	score, err := look.ZScore(context.Background(), e.prefix+"tasks:{api:call}:asynq", queue+":"+info.ID+":0").Result()
 	require.NoError(t, err)
 	slot := time.UnixMicro(int64(score))
 	require.Greater(t, slot.Sub(sentBack), time.Second, "the slot is seconds away")

@@ -1,0 +1,191 @@
+package asynqadapter_test
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/hibiken/asynq"
+	"github.com/stretchr/testify/require"
+
+	"github.com/slotbook/slotbook/asynqadapter"
+	"github.com/slotbook/slotbook/internal/redistest"
+	"github.com/slotbook/slotbook/reserve"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+// TestBookedNoStaleEntryAfterGiveBack: with WithInspector, a task whose
+// slot lies too close to its Deadline is archived (SkipRetry). It used to
+// be booked, then given back, leaving its index entry: another caller
+// booked the slot given back, and the archived task, run again by hand
+// (Inspector.RunTask, asynqmon's "Run") before that slot, found the stale
+// entry and ran at the other caller's slot: two starts on one slot of a
+// burst-0 limit. Found by review (0.4 ms apart); a booking now keeps a
+// margin before the deadline, so no such slot is booked.
+func TestBookedNoStaleEntryAfterGiveBack(t *testing.T) {
+	srvRedis := redistest.Shared(t)
+	srvRedis.RequireReal(t)
+	e := newEnv(t)
+	queue := "q" + e.prefix
+	limit := throttle.PerSecond(2, 0) // I = 500ms, no burst
+	l := e.limiter(t, limit, reserve.WithMaxWait(100*time.Millisecond))
+	fill(t, context.Background(), l, "api:call", 8) // next slot ~4 s away
+	insp := asynq.NewInspectorFromRedisClient(srvRedis.Client(t))
+	mw, err := asynqadapter.NewMiddleware(l, asynqadapter.WithBookedRetries(e.eng, time.Minute),
+		asynqadapter.WithCheckInterval(time.Second), asynqadapter.WithInspector(insp))
+	require.NoError(t, err)
+	var (
+		mu     sync.Mutex
+		starts []time.Time
+	)
+	server(t, srvRedis.Client(t), queue, 2, mw, func(ctx context.Context, _ *asynq.Task) error {
+		mu.Lock()
+		starts = append(starts, time.Now())
+		mu.Unlock()
+		return nil
+	})
+	client := asynq.NewClientFromRedisClient(srvRedis.Client(t))
+	// Deadline 4.5 s away: the slot (~4 s) leaves less than the margin
+	// (1 s) before it, and the deadline check archives the task.
+	info, err := client.Enqueue(asynq.NewTask("api:call", nil), asynq.Queue(queue), asynq.Retention(time.Hour),
+		asynq.Deadline(time.Now().Add(4500*time.Millisecond)))
+	require.NoError(t, err)
+	ti := waitState(t, insp, queue, info.ID, asynq.TaskStateArchived, 30*time.Second)
+	t.Logf("archived: retried %d, last error %q", ti.Retried, ti.LastErr)
+	look := redistest.Shared(t).Client(t)
+	idx := e.prefix + "tasks:{api:call}:asynq"
+	members, err := look.ZRangeWithScores(context.Background(), idx, 0, -1).Result()
+	require.NoError(t, err)
+	t.Logf("index after the archive: %v", members)
+	require.Empty(t, members, "no booking kept for the archived task")
+
+	// Another caller books the next slot: the one given back.
+	patient, err := l.With(reserve.WithoutMaxWait())
+	require.NoError(t, err)
+	r, err := patient.Reserve(context.Background(), "api:call")
+	require.NoError(t, err)
+	require.True(t, r.OK())
+	other := r.SlotAt()
+	t.Logf("other caller's slot in %v", time.Until(other))
+
+	// The archived task is run again by hand before that slot.
+	require.NoError(t, insp.RunTask(queue, info.ID))
+	// It runs after the other caller's slot, or is archived again (its
+	// deadline is near): either way not at that slot.
+	require.Eventually(t, func() bool {
+		ti := taskInfo(t, insp, queue, info.ID)
+		return ti.State == asynq.TaskStateCompleted || (ti.State == asynq.TaskStateArchived && ti.Retried == 0 && time.Now().After(other))
+	}, 30*time.Second, 50*time.Millisecond)
+	mu.Lock()
+	defer mu.Unlock()
+	require.LessOrEqual(t, len(starts), 1)
+	if len(starts) == 0 {
+		return
+	}
+	gap := starts[0].Sub(other)
+	t.Logf("re-run task started %v after the other caller's slot", gap)
+	// The limit is 2/s with no burst: the re-run task must start at least
+	// one interval away from the other caller's slot.
+	require.False(t, gap > -limit.Interval() && gap < limit.Interval(),
+		"re-run task started %v from the other caller's slot: two starts within one interval of a burst-0 limit", gap)
+}
+
+// TestBookedSameIDTwoQueues: asynq task ids are unique per queue only.
+// Two tasks with the same TaskID in two queues, of one type (one limiter
+// key), were one member of the booking index: the second found the first's
+// booking and ran at it, while the first, back at its slot, found the same
+// booking in its server's cache and ran at it too (found by review: 0.4 ms
+// apart on a 2/s burst-0 limit). The member now names the queue.
+func TestBookedSameIDTwoQueues(t *testing.T) {
+	srvRedis := redistest.Shared(t)
+	srvRedis.RequireReal(t)
+	e := newEnv(t)
+	q1, q2 := "q1"+e.prefix, "q2"+e.prefix
+	limit := throttle.PerSecond(2, 0) // I = 500ms, no burst
+	l := e.limiter(t, limit, reserve.WithMaxWait(100*time.Millisecond))
+	fill(t, context.Background(), l, "api:call", 3) // next slot ~1.5 s away
+	var (
+		mu     sync.Mutex
+		starts = map[string]time.Time{}
+	)
+	h := func(ctx context.Context, _ *asynq.Task) error {
+		id, _ := asynq.GetTaskID(ctx)
+		q, _ := asynq.GetQueueName(ctx)
+		mu.Lock()
+		starts[q+"/"+id] = time.Now()
+		mu.Unlock()
+		return nil
+	}
+	for _, q := range []string{q1, q2} {
+		mw, err := asynqadapter.NewMiddleware(l, asynqadapter.WithBookedRetries(e.eng, time.Minute),
+			asynqadapter.WithCheckInterval(time.Second))
+		require.NoError(t, err)
+		server(t, srvRedis.Client(t), q, 2, mw, h)
+	}
+	client := asynq.NewClientFromRedisClient(srvRedis.Client(t))
+	insp := asynq.NewInspectorFromRedisClient(srvRedis.Client(t))
+	enqueue := func(q, id string) {
+		_, err := client.Enqueue(asynq.NewTask("api:call", nil), asynq.Queue(q), asynq.TaskID(id), asynq.Retention(time.Hour))
+		require.NoError(t, err)
+	}
+	enqueue(q1, "dup") // booked ~1.5 s out, sent back
+	waitState(t, insp, q1, "dup", asynq.TaskStateRetry, 10*time.Second)
+	enqueue(q1, "filler") // its reply lists dup:0 as due: server 1 keeps it
+	waitState(t, insp, q1, "filler", asynq.TaskStateRetry, 10*time.Second)
+	enqueue(q2, "dup") // server 2: finds dup:0 in the index
+	for _, k := range [][2]string{{q1, "dup"}, {q1, "filler"}, {q2, "dup"}} {
+		waitState(t, insp, k[0], k[1], asynq.TaskStateCompleted, 30*time.Second)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	a, b := starts[q1+"/dup"], starts[q2+"/dup"]
+	gap := b.Sub(a)
+	t.Logf("q1/dup started %v after q2/dup... (b-a = %v); filler at %v after q1/dup", a.Sub(b), gap, starts[q1+"/filler"].Sub(a))
+	require.False(t, gap > -limit.Interval() && gap < limit.Interval(),
+		"two tasks started %v apart on a 2/s burst-0 limit: one booking used twice", gap)
+}
+
+// TestBookedNearDeadlineRuns: with WithInspector, a task whose slot lies
+// about 3 s away and its Deadline 4.5 s away is booked and sent back, and
+// runs at its slot, before the deadline. It used to be booked, judged by
+// the rule for a task sent back to find room (due back at least the check
+// interval plus a second before the deadline: that rule applied to the
+// slot, not to when the task is due back), archived, and its booking
+// given back, leaving an index entry that a re-run task could use.
+func TestBookedNearDeadlineRuns(t *testing.T) {
+	srvRedis := redistest.Shared(t)
+	srvRedis.RequireReal(t)
+	e := newEnv(t)
+	queue := "q" + e.prefix
+	l := e.limiter(t, throttle.PerSecond(2, 0), reserve.WithMaxWait(100*time.Millisecond))
+	insp := asynq.NewInspectorFromRedisClient(srvRedis.Client(t))
+	mw, err := asynqadapter.NewMiddleware(l, asynqadapter.WithBookedRetries(e.eng, time.Minute),
+		asynqadapter.WithCheckInterval(time.Second), asynqadapter.WithInspector(insp))
+	require.NoError(t, err)
+	var (
+		mu     sync.Mutex
+		starts []time.Time
+	)
+	server(t, srvRedis.Client(t), queue, 2, mw, func(ctx context.Context, _ *asynq.Task) error {
+		mu.Lock()
+		starts = append(starts, time.Now())
+		mu.Unlock()
+		return nil
+	})
+	client := asynq.NewClientFromRedisClient(srvRedis.Client(t))
+	t.Cleanup(func() { _ = client.Close() })
+	fill(t, context.Background(), l, "api:call", 6) // next slot ~3 s away
+	// asynq keeps a Deadline in whole seconds: 5 s, at least 4 s away.
+	dl := time.Now().Add(5 * time.Second)
+	info, err := client.Enqueue(asynq.NewTask("api:call", nil), asynq.Queue(queue), asynq.Retention(time.Hour), asynq.Deadline(dl))
+	require.NoError(t, err)
+	ti := waitState(t, insp, queue, info.ID, asynq.TaskStateRetry, 10*time.Second)
+	require.Contains(t, ti.LastErr, "slot booked in")
+	ti = waitState(t, insp, queue, info.ID, asynq.TaskStateCompleted, 30*time.Second)
+	require.Zero(t, ti.Retried)
+	mu.Lock()
+	defer mu.Unlock()
+	require.Len(t, starts, 1)
+	require.True(t, starts[0].Before(ti.Deadline), "ran at %v, before its deadline %v", starts[0], ti.Deadline)
+}
