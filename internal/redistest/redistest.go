@@ -242,6 +242,12 @@ func launch(path string, port int, extra ...string) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
+	return launchIn(path, port, dir, func(err error) bool { return err == nil }, extra...)
+}
+
+// launchIn starts redis-server on port with dir as its directory (removed
+// when it stops) and waits until up(err) holds for a PING's error.
+func launchIn(path string, port int, dir string, up func(error) bool, extra ...string) (*Server, error) {
 	args := append([]string{
 		"--port", strconv.Itoa(port), "--bind", "127.0.0.1",
 		"--save", "", "--appendonly", "no", "--dir", dir,
@@ -263,7 +269,7 @@ func launch(path string, port int, extra ...string) (*Server, error) {
 		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 		err := c.Ping(ctx).Err()
 		cancel()
-		if err == nil {
+		if up(err) {
 			return s, nil
 		}
 		if time.Now().After(deadline) {

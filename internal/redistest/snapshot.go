@@ -1,16 +1,11 @@
 package redistest
 
 import (
-	"context"
 	"errors"
-	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"testing"
-	"time"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -60,42 +55,10 @@ func launchSnapshot(path, rdb string, extra ...string) (*Server, error) {
 		os.RemoveAll(dir)
 		return nil, err
 	}
-	args := append([]string{
-		"--port", strconv.Itoa(port), "--bind", "127.0.0.1",
-		"--save", "", "--appendonly", "no", "--dir", dir, "--dbfilename", "dump.rdb",
-		"--loglevel", "warning", "--logfile", "redis.log", "--daemonize", "no",
-	}, extra...)
-	cmd := exec.Command(path, args...)
-	cmd.SysProcAttr = sysProcAttr()
-	if err := cmd.Start(); err != nil {
-		os.RemoveAll(dir)
-		return nil, err
-	}
-	s := &Server{Addr: net.JoinHostPort("127.0.0.1", strconv.Itoa(port)), Real: true,
-		cmd: cmd, done: make(chan struct{}), dir: dir, port: port}
-	go func() { _ = cmd.Wait(); close(s.done) }()
-	c := redis.NewClient(&redis.Options{Addr: s.Addr, MaxRetries: -1, DialTimeout: 200 * time.Millisecond})
-	defer c.Close()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-		err := c.Ping(ctx).Err()
-		cancel()
+	return launchIn(path, port, dir, func(err error) bool {
 		var rerr redis.Error
-		if err == nil || errors.As(err, &rerr) {
-			return s, nil
-		}
-		if time.Now().After(deadline) {
-			s.Stop()
-			return nil, fmt.Errorf("redis-server on port %d did not answer: %w", port, err)
-		}
-		select {
-		case <-s.done:
-			os.RemoveAll(dir)
-			return nil, fmt.Errorf("redis-server on port %d exited: %w", port, err)
-		case <-time.After(5 * time.Millisecond):
-		}
-	}
+		return err == nil || errors.As(err, &rerr)
+	}, extra...)
 }
 
 func copyFile(from, to string) error {
