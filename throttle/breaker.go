@@ -148,29 +148,50 @@ func (bs *breakers) stateOf(node string) (open bool, probeIn time.Duration) {
 // all to the fallback).
 func (bs *breakers) failure(node string, start time.Time) { bs.failureB(bs.get(node), start) }
 
-// failureB is failure for a breaker in hand.
+// failureB is failure for a breaker in hand, of a call that was not the
+// probe. If the breaker is open already (the call was sent before it
+// opened), it changes nothing: neither the next probe's time nor the
+// probe under way are the business of a call that was not the probe.
 func (bs *breakers) failureB(b *breaker, start time.Time) {
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
-	opened := !b.open.Load()
-	if opened {
-		// Open first, then look for a success since start: a success
-		// stores its time before it reads open (successB), so either we
-		// see its time here, or it sees the breaker open and closes it.
-		b.open.Store(true)
-		if b.lastSuccess.Load() > monoNow(start) {
-			b.open.Store(false)
-			return
-		}
-		b.backoff = bs.min
-	} else if b.probing {
-		b.backoff = min(2*b.backoff, bs.max)
+	if !b.open.Load() {
+		bs.openLocked(b, start)
 	}
+}
+
+// probeFailedB records the failure of the probe of b's node, sent at
+// start: the next probe waits twice as long as the last (up to the
+// maximum). Should the breaker have closed meanwhile (another call
+// succeeded), it is a failure as failureB records it.
+func (bs *breakers) probeFailedB(b *breaker, start time.Time) {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	if !b.open.Load() {
+		bs.openLocked(b, start)
+		return
+	}
+	b.backoff = min(2*b.backoff, bs.max)
 	b.probing = false
 	b.next = time.Now().Add(b.backoff)
-	if opened {
-		bs.changed(b.node, true)
+}
+
+// openLocked opens b, closed, after a failure of a call sent at start,
+// unless a call to its node has succeeded since start. Call with bs.mu
+// held.
+func (bs *breakers) openLocked(b *breaker, start time.Time) {
+	// Open first, then look for a success since start: a success stores
+	// its time before it reads open (successB), so either we see its time
+	// here, or it sees the breaker open and closes it.
+	b.open.Store(true)
+	if b.lastSuccess.Load() > monoNow(start) {
+		b.open.Store(false)
+		return
 	}
+	b.backoff = bs.min
+	b.probing = false
+	b.next = time.Now().Add(b.backoff)
+	bs.changed(b.node, true)
 }
 
 // success records a call to node that Redis answered.
@@ -248,16 +269,56 @@ func notSent(err error) bool {
 	if errors.As(err, &op) && op.Op == "dial" {
 		return true
 	}
+	if errors.As(err, &op) && op.Op == "write" {
+		// The command was not written whole, and go-redis closes the
+		// connection after a failed write: Redis never ran it. (The
+		// engine sends one command per call, and never retries one.)
+		return true
+	}
 	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, redis.ErrPoolTimeout) ||
-		errors.Is(err, redis.ErrPoolExhausted) || cannotServe(err)
+		errors.Is(err, redis.ErrPoolExhausted) || waitedInClient(err) || cannotServe(err)
+}
+
+// writeTimedOut reports whether err is a write that timed out: the call
+// had its connection only once its time was up (it waited for a turn in
+// the pool, or for a new connection's OnConnect), and the socket refused
+// to write past the deadline. It says nothing of Redis: a server, up or
+// stopped, takes a command's few hundred bytes into the socket's buffer
+// at once, so a server that does not answer shows as a read that times
+// out, never as a write.
+func writeTimedOut(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && op.Op == "write" && op.Timeout()
+}
+
+// waitedInClient reports whether err is a context's error as go-redis
+// returns it when the context ends before the command was written: while
+// the call waits its turn for a pooled connection, for a dial permit or a
+// dial under way, for a new connection's setup by another call, or before
+// a retry (which the engine's commands get only when nothing was written).
+// go-redis returns the bare ctx.Err() there (checked for v9.23: pool.go
+// waitTurn and queuedNewConn, the cluster client's redirections), whatever
+// ContextTimeoutEnabled says, while a socket timeout after sending is a
+// *net.OpError ("i/o timeout").
+func waitedInClient(err error) bool {
+	var op *net.OpError
+	return (errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)) && !errors.As(err, &op)
 }
 
 // saturated reports whether err is the client's own pool having no
 // connection for the call in time: the client is busy, which says nothing
 // of Redis, so no breaker opens (a saturated client must never turn the
-// limit off through FailOpen).
-func saturated(err error) bool {
-	return errors.Is(err, redis.ErrPoolTimeout) || errors.Is(err, redis.ErrPoolExhausted)
+// limit off through FailOpen). poolFull tells whether the node's pool
+// holds every connection it may open: a call that waited inside the
+// client (waitedInClient) then waited for its turn, behind other work on
+// the client; with room in the pool it waited for a new connection, and
+// a dial that does not complete in time says the node is unreachable.
+//
+// A write that timed out (writeTimedOut) is counted here too: the call
+// came to its connection late, which is the client's doing.
+func saturated(err error, poolFull func() bool) bool {
+	return errors.Is(err, redis.ErrPoolTimeout) || errors.Is(err, redis.ErrPoolExhausted) ||
+		writeTimedOut(err) || (waitedInClient(err) && poolFull())
 }
 
 // unavailable reports whether err means Redis could not be reached or could
@@ -274,6 +335,13 @@ func unavailable(err error) bool {
 	}
 	return cannotServe(err)
 }
+
+// slotBusy reports whether err is Redis's answer that the key's slot cannot
+// serve this call now while the node serves its other slots: TRYAGAIN, a
+// call on several keys of a slot being resharded, some of them already
+// moved (or never written). Nothing ran. The node is up, so its breaker,
+// which would fail every subject of the node, must not open.
+func slotBusy(err error) bool { return redis.HasErrorPrefix(err, "TRYAGAIN") }
 
 // cannotServe reports whether err is Redis's answer that it cannot run the
 // command now (loading, a master down, a cluster resharding, a script

@@ -27,18 +27,31 @@
 // Every call has a tight timeout. Errors are classed deliberately:
 //
 //	class                     errors                               caller sees          breaker
-//	unavailable, not sent     dial failed, connection refused;     ErrUnavailable       opens
+//	unavailable, not sent     dial failed, connection refused, a   ErrUnavailable       opens
+//	                          new connection not made in time;
 //	                          Redis refused to run it: LOADING,
-//	                          MASTERDOWN, BUSY, CLUSTERDOWN,
-//	                          TRYAGAIN, and writes refused: OOM
-//	                          (maxmemory, noeviction), READONLY (a
-//	                          replica after a failover), MISCONF,
+//	                          MASTERDOWN, BUSY, CLUSTERDOWN, and
+//	                          writes refused: OOM (maxmemory,
+//	                          noeviction), READONLY (a replica
+//	                          after a failover), MISCONF,
 //	                          NOREPLICAS
+//	one slot resharding       TRYAGAIN: a Cluster slot migrating,  ErrUnavailable       stays closed
+//	                          some of the call's keys (a layered
+//	                          subject's) on the node and some
+//	                          not; nothing ran, and the master
+//	                          serves its other slots
 //	unavailable, reply lost   timeout after sending (a stopped or  ErrUnavailable +     opens
 //	                          paused server, CLIENT PAUSE), broken ErrReplyLost
 //	                          connection: the script may have run
 //	client saturated          the client's own pool had no         ErrUnavailable       unchanged
-//	                          connection in time (pool timeout)
+//	                          connection in time: a pool timeout,
+//	                          or the timeout passed while the call
+//	                          waited its turn in a pool whose
+//	                          every connection is open and in use
+//	                          (by other work on the client: a
+//	                          BLPOP of package lease, asynq), or
+//	                          the call came to its connection with
+//	                          its time up (a write that timed out)
 //	caller gave up            the caller's context ended, or its   ctx.Err() (+         unchanged
 //	                          deadline passed before the engine's  ErrReplyLost if sent)
 //	                          timeout (the socket's deadline can
@@ -51,9 +64,27 @@
 // password or a missing ACL permission is a mistake to fix, not an outage
 // to ride out, and FailOpen must not hide it. A saturated client is not
 // Redis's fault and never opens the breaker, so that load alone cannot
-// turn the limit over to the fallback. (The calls of a Client, or of a
-// ClusterClient per node, queue for a pooled connection before their
-// timeout starts, so they rarely see it.)
+// turn the limit over to the fallback. (The engine's own calls on a
+// Client, or on a ClusterClient per node, queue for a pooled connection
+// before their timeout starts, so they rarely see it; other work on the
+// same client is not counted there, and a client whose pool is held by
+// blocking commands fails the engine's calls as saturated: give such work
+// a client of its own, or a pool with room for it.) A call that waited
+// inside the client never reached Redis, so it never reports ErrReplyLost.
+//
+// The timeout (WithTimeout) must cover a reconnect, not just a round trip:
+// a call that finds no idle connection dials and says HELLO (and AUTH)
+// within the same timeout, two round trips more than the call itself, and
+// more with TLS. A call that times out costs its connection (go-redis
+// closes it), so with a timeout below that, calls under load keep
+// dialing and never get through. The probe of an open breaker, one call
+// at a time, may take four times the timeout, so that it can reconnect
+// and close the breaker where ordinary calls could not.
+//
+// While a node's breaker is open, calls that were queued at the engine's
+// gate for a connection fail at once when they get it, unless one is the
+// probe; a call sent before the breaker opened that fails after it does
+// not delay the next probe.
 //
 // The engine keeps one breaker per Redis node, the failure domain: the
 // client's server, or, for a Redis Cluster, the master that owns the key's

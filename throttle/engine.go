@@ -206,9 +206,15 @@ func WithPrefix(prefix string) Option {
 
 // WithTimeout bounds every Redis call the Engine makes (default 50ms). Zero
 // means no bound beyond the caller's context and the client's own
-// timeouts. A bound needs a go-redis client built with
-// ContextTimeoutEnabled: true (without it a context deadline does not cut a
-// socket read short); New reports a client that lacks it.
+// timeouts. The bound must cover a reconnect, not only a round trip: a
+// call that finds no idle connection dials and sends HELLO (and AUTH)
+// within it, two round trips more than the call itself (more with TLS),
+// and a call that times out costs its connection, so a bound below that
+// lets no call through under load once connections are lost (the package
+// doc has more). The 50ms default suits a server a few milliseconds
+// away. A bound needs a go-redis client built with ContextTimeoutEnabled:
+// true (without it a context deadline does not cut a socket read short);
+// New reports a client that lacks it.
 //
 // The bound costs a timer per call, which the engine saves where it is
 // not needed: when the caller's context has a deadline no later than the

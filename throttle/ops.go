@@ -9,6 +9,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // Result is the outcome of a check-mode call (Allow, AllowN, AllowAll).
@@ -340,6 +342,17 @@ func (e *Engine) runReply(ctx context.Context, s *script, keys []string, args []
 			}
 			now = time.Now()
 		}
+		if !probe {
+			// The breaker may have opened while this call queued, or
+			// since it looked (a call ahead of it timed out and gave its
+			// token back): look again, so that calls queued for a
+			// connection do not go to a dead node one pool's worth at a
+			// time, each paying the timeout. An atomic load while closed.
+			if ok, probe = e.breakers.allowB(ref.b); !ok {
+				<-gate
+				return nil, errBreakerOpen
+			}
+		}
 		defer func() { <-gate }()
 	}
 	timeout := e.timeout
@@ -353,7 +366,7 @@ func (e *Engine) runReply(ctx context.Context, s *script, keys []string, args []
 	defer cancel()
 	reply, err := s.run(callCtx, e.rdb, full, args)
 	end := time.Now()
-	err = e.classify(ctx, callCtx, ref, probe, now, end, err)
+	err = e.classify(ctx, callCtx, ref, full[0], probe, now, end, err)
 	if err != nil && e.slots != nil && errors.Is(err, ErrUnavailable) {
 		e.forgetSlot(full[0])
 	}
@@ -395,9 +408,10 @@ var errBreakerOpen = fmt.Errorf("%w (failing fast until a probe succeeds)", ErrU
 // the caller should see it (the table is in the package doc): matching
 // ErrUnavailable when Redis could not be reached or could not serve, and
 // ErrReplyLost as well when the script may have run all the same; matching
-// ErrCorruptState for a stored value that is not a TAT. probe tells
-// whether the call was the open breaker's probe.
-func (e *Engine) classify(ctx, callCtx context.Context, node *nodeRef, probe bool, start, end time.Time, err error) error {
+// ErrCorruptState for a stored value that is not a TAT. key is the call's
+// first (prefixed) key; probe tells whether the call was the open
+// breaker's probe.
+func (e *Engine) classify(ctx, callCtx context.Context, node *nodeRef, key string, probe bool, start, end time.Time, err error) error {
 	if err == nil {
 		e.breakers.successB(node.b, end)
 		return nil
@@ -407,20 +421,28 @@ func (e *Engine) classify(ctx, callCtx context.Context, node *nodeRef, probe boo
 		if probe {
 			e.breakers.abandonB(node.b)
 		}
+		sent := !notSent(err) // judged on go-redis's error as it came
 		if !errors.Is(err, ended) {
 			err = fmt.Errorf("%w: %w", ended, err)
 		}
-		if !notSent(err) {
+		if sent {
 			return fmt.Errorf("%w: %w", ErrReplyLost, err)
 		}
 		return err
-	case saturated(err): // the client's own pool: no verdict on Redis either
+	case saturated(err, func() bool { return e.poolFull(key) }): // the client's own pool: no verdict on Redis either
 		if probe {
 			e.breakers.abandonB(node.b)
 		}
 		return fmt.Errorf("%w: %w", ErrUnavailable, err)
+	case slotBusy(err): // Redis answered: one slot cannot serve this call, the node can
+		e.breakers.successB(node.b, end)
+		return fmt.Errorf("%w: %w", ErrUnavailable, err)
 	case unavailable(err):
-		e.breakers.failureB(node.b, start)
+		if probe {
+			e.breakers.probeFailedB(node.b, start)
+		} else {
+			e.breakers.failureB(node.b, start)
+		}
 		if !notSent(err) {
 			return fmt.Errorf("%w: %w: %w", ErrUnavailable, ErrReplyLost, err)
 		}
@@ -433,6 +455,37 @@ func (e *Engine) classify(ctx, callCtx context.Context, node *nodeRef, probe boo
 		}
 		return err
 	}
+}
+
+// poolFull reports whether the client's connection pool for the node that
+// holds the prefixed key has opened every connection it may (PoolSize, or
+// MaxActiveConns if lower), so that a call waiting in it waits for another
+// user of the client to give one back. It is false where the pool cannot
+// be read (a Ring, a client of another kind).
+func (e *Engine) poolFull(key string) bool {
+	var c *redis.Client
+	switch r := e.rdb.(type) {
+	case *redis.Client:
+		c = r
+	case *redis.ClusterClient:
+		// The client has read its slot map (the call went through it):
+		// no Redis call.
+		ctx, cancel := withTimeout(context.Background(), e.timeout)
+		defer cancel()
+		m, err := r.MasterForKey(ctx, key)
+		if err != nil {
+			return false
+		}
+		c = m
+	default:
+		return false
+	}
+	o := c.Options()
+	size := o.PoolSize
+	if o.MaxActiveConns > 0 {
+		size = min(size, o.MaxActiveConns)
+	}
+	return int(c.PoolStats().TotalConns) >= size
 }
 
 // floorDiv is a / b rounded down, for b > 0.

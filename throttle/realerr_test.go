@@ -248,3 +248,47 @@ func TestTryAgain(t *testing.T) {
 	redistest.UntilOK(t, func() error { _, err := eng.BookAll(ctx, keys, limits, []throttle.Request{{N: 1}}); return err })
 	require.Equal(t, int64(1), mg.owner.Exists(ctx, full[1]).Val(), "booked on the owner once the slot is stable")
 }
+
+// TestTryAgainSparesNode: TRYAGAIN is one slot being resharded, not a node
+// down. While a layered subject's slot migrates with its keys split (every
+// call for it refused with TRYAGAIN, as long as the migration lasts), the
+// other subjects of the same master are served, every call, and no breaker
+// opens: the master answered.
+func TestTryAgainSparesNode(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := redistest.StartCluster(t, 3)
+	cc := cluster.Client(t)
+	log := &nodeLog{}
+	eng, err := throttle.New(cc, throttle.WithTimeout(5*time.Second), throttle.WithObserver(log))
+	require.NoError(t, err)
+	keys := []string{"api:{s}", "api:{s}:1h0m0s"}
+	limits := []throttle.Limit{throttle.PerHour(10, 9), throttle.PerHour(10, 9)}
+	lim := throttle.PerHour(1000, 999)
+	redistest.UntilOK(t, func() error {
+		_, err := eng.Book(ctx, keys[0], limits[0], throttle.Request{N: 1})
+		return err
+	})
+	mg := migrate(t, cluster, cc, throttle.DefaultPrefix+keys[0])
+	other := subjectOn(t, cc, throttle.DefaultPrefix, mg.owner.Options().Addr)
+	require.NotEqual(t, mg.slot, cc.ClusterKeySlot(ctx, throttle.DefaultPrefix+other).Val(), "another slot")
+	redistest.UntilOK(t, func() error { _, err := eng.Allow(ctx, other, lim); return err })
+	before := len(log.getNodes())
+
+	failed := 0
+	const rounds = 100
+	for i := 0; i < rounds; i++ {
+		_, err := eng.BookAll(ctx, keys, limits, []throttle.Request{{N: 1}})
+		require.ErrorIs(t, err, throttle.ErrUnavailable, "round %d: the split subject", i)
+		require.NotErrorIs(t, err, throttle.ErrReplyLost)
+		if _, err := eng.Allow(ctx, other, lim); err != nil {
+			failed++
+			require.ErrorIs(t, err, throttle.ErrUnavailable)
+		}
+	}
+	t.Logf("%d of %d calls for another subject of the master failed", failed, rounds)
+	require.Zero(t, failed, "calls for another subject of the migrating slot's master failed")
+	open, _ := eng.UnavailableFor(ctx, other)
+	require.False(t, open, "the master answered: its breaker stays closed")
+	require.Len(t, log.getNodes(), before, "no breaker changed")
+}
