@@ -243,6 +243,30 @@ func (bs *breakers) changed(node string, open bool) {
 	}
 }
 
+// retire closes every open breaker whose node stale reports that no call
+// maps to any more: a Cluster master whose slots a failover or a
+// resharding gave to other nodes, or the pseudo-node "cluster" once the
+// slot map can be read. No probe could close such a breaker, since no call
+// goes to its node. The observer is told of each closing, in order, as of
+// any other (see changed). retire returns the nodes whose breakers it
+// closed. A call to such a node still under way may open its breaker
+// again when it fails; the next retire closes it.
+func (bs *breakers) retire(stale func(node string) bool) (retired []string) {
+	bs.mu.Lock()
+	defer bs.mu.Unlock()
+	bs.nodes.Range(func(_, v any) bool {
+		b := v.(*breaker)
+		if b.open.Load() && stale(b.node) {
+			b.open.Store(false)
+			b.probing = false
+			bs.changed(b.node, false)
+			retired = append(retired, b.node)
+		}
+		return true
+	})
+	return retired
+}
+
 // ErrReplyLost is matched, together with ErrUnavailable (or the context's
 // error, when the caller's context ended first), by errors for calls that
 // were sent but whose reply never came: a timeout or a broken connection

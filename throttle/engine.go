@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -101,7 +102,20 @@ type Engine struct {
 	fixed   *nodeRef             // the one node of a client that is not a Cluster
 	refs    sync.Map             // node name -> *nodeRef, one per node ever called
 	slots   *slotCache           // for a Cluster: each slot's node, as last looked up
+
+	// For a Cluster: unread is the pseudo-node calls are counted against
+	// while the client cannot read the slot map (see nodeFor); lookingUp
+	// is set while a call reads the map with unread's breaker open (one at
+	// a time); sweepAt is when the next sweep of stale breakers may run,
+	// in monoNow nanoseconds (see sweep).
+	unread    *nodeRef
+	lookingUp atomic.Bool
+	sweepAt   atomic.Int64
 }
+
+// unreadNode names the pseudo-node of a Cluster whose slot map cannot be
+// read.
+const unreadNode = "cluster"
 
 // nodeRef is what a call needs of its Redis node: its name, its breaker
 // and its connection gate (nil when the pool's size is unknown).
@@ -124,10 +138,11 @@ func (e *Engine) ref(node string) *nodeRef {
 // client's slot map last named for it, so that a call does not look it up
 // (under a timeout context of its own) every time. An entry is trusted for
 // slotCacheTTL, and dropped at once when a call to its node fails as
-// unavailable or is refused by the node's open breaker, so that after a
-// failover or a resharding calls are soon counted against the node that
-// now serves the slot. (The node only picks the breaker a call is counted
-// against: the client routes the command by its own slot map.)
+// unavailable or is refused by the node's open breaker, or when a sweep
+// closes the node's breaker (see Engine.sweep), so that after a failover
+// or a resharding calls are soon counted against the node that now serves
+// the slot. (The node only picks the breaker a call is counted against:
+// the client routes the command by its own slot map.)
 type slotCache [clusterSlots]atomic.Pointer[slotEntry]
 
 type slotEntry struct {
@@ -296,6 +311,7 @@ func New(rdb redis.Scripter, opts ...Option) (*Engine, error) {
 	if c, ok := rdb.(*redis.ClusterClient); ok {
 		e.cluster = c
 		e.slots = new(slotCache)
+		e.unread = e.ref(unreadNode)
 	} else {
 		e.fixed = e.ref(e.addr)
 	}
@@ -358,7 +374,13 @@ func (e *Engine) Observer() Observer { return e.observer }
 // unavailable, and if so how long until the next probe. The engine keeps
 // one breaker per Redis node (per master of a Cluster): Unavailable
 // reports whether any is open, and the soonest probe; UnavailableFor
-// reports on the node of one key.
+// reports on the node of one key. With a Cluster, while a breaker is
+// open a call reads the cluster's slot map at most once per the longest
+// probe interval (see WithProbeBackoff), and the breaker of any node that
+// masters no slot any more (a master replaced in a failover) is closed;
+// the breaker of the pseudo-node "cluster" is closed once the map can be
+// read. Neither keeps Unavailable true after the cluster serves every
+// slot again and calls are made.
 func (e *Engine) Unavailable() (bool, time.Duration) {
 	return e.breakers.state()
 }
@@ -367,8 +389,9 @@ func (e *Engine) Unavailable() (bool, time.Duration) {
 // given to the engine's other methods, before the prefix): with a Redis
 // Cluster, whether calls for key fail fast because the master that owns
 // its slot is unavailable, while other masters may serve. With another
-// client it is Unavailable. It makes no Redis call once a Cluster client
-// has read the cluster's slot map.
+// client it is Unavailable. It makes no Redis call while the slot map
+// cannot be read (it then reports on the pseudo-node "cluster"), nor once
+// a Cluster client has read the map.
 func (e *Engine) UnavailableFor(ctx context.Context, key string) (bool, time.Duration) {
 	return e.breakers.stateOf(e.node(ctx, e.prefix+key))
 }
@@ -377,33 +400,112 @@ func (e *Engine) UnavailableFor(ctx context.Context, key string) (bool, time.Dur
 // own) that holds the prefixed key: for a Cluster, the address of the
 // master that owns the key's slot, as far as the client's slot map knows
 // ("cluster" if it cannot be read: the client reads it on first use);
-// for a plain client, its address; for other clients, "redis".
+// for a plain client, its address; for other clients, "redis". Unlike a
+// call, it never reads the slot map while the breaker of "cluster" is
+// open.
 func (e *Engine) node(ctx context.Context, key string) string {
-	r, _ := e.nodeFor(ctx, key, time.Now())
+	if e.cluster == nil {
+		return e.fixed.name
+	}
+	r, _ := e.lookup(ctx, key, time.Now(), false)
 	return r.name
 }
 
 // nodeFor returns the nodeRef of the node that holds the prefixed key (see
-// node), and whether it came from the slot cache (a Cluster's, looked up
-// within slotCacheTTL before now).
+// node), for a call starting at now, and whether it came from the slot
+// cache (a Cluster's, looked up within slotCacheTTL before now) with no
+// Redis call made. For a Cluster it first sweeps stale breakers, when one
+// is due (see sweep).
 func (e *Engine) nodeFor(ctx context.Context, key string, now time.Time) (r *nodeRef, cached bool) {
 	if e.cluster == nil {
 		return e.fixed, false
 	}
+	swept := e.sweep(ctx, now)
+	r, cached = e.lookup(ctx, key, now, true)
+	return r, cached && !swept
+}
+
+// lookup is nodeFor for a Cluster, without the sweep. While the breaker
+// of "cluster" is open (the slot map could not be read) it reads the map
+// only when that breaker's probe is due, and then only for one call at a
+// time, and never if probe is false: the other calls fail fast, as calls
+// to any node with an open breaker do, instead of each waiting out the
+// timeout on a map that cannot be read. Once the map is read, the breaker
+// of "cluster" is closed (no call maps to it any more).
+func (e *Engine) lookup(ctx context.Context, key string, now time.Time, probe bool) (r *nodeRef, cached bool) {
 	slot := &e.slots[keySlot(key)]
 	mono := monoNow(now)
 	if en := slot.Load(); en != nil && mono-en.at < int64(slotCacheTTL) {
 		return en.ref, true
 	}
+	if e.unread.b.open.Load() {
+		if _, in := e.breakers.stateOf(unreadNode); in > 0 || !probe {
+			return e.unread, false
+		}
+		if !e.lookingUp.CompareAndSwap(false, true) {
+			return e.unread, false
+		}
+		defer e.lookingUp.Store(false)
+	}
 	ctx, cancel := e.callContext(ctx)
 	defer cancel()
 	m, err := e.cluster.MasterForKey(ctx, key)
 	if err != nil {
-		return e.ref("cluster"), false
+		return e.unread, false
+	}
+	if e.unread.b.open.Load() {
+		e.breakers.retire(func(node string) bool { return node == unreadNode })
 	}
 	r = e.ref(m.Options().Addr)
 	slot.Store(&slotEntry{ref: r, at: mono})
 	return r, false
+}
+
+// sweep closes the breakers of Cluster nodes that no call maps to any
+// more (see breakers.retire): it reads the slot map through the client's
+// ForEachMaster, which reloads the client's map from the cluster (one
+// round trip, within the engine's timeout; the map the client holds if
+// that fails), and retires every open breaker whose node masters no slot.
+// So after a failover the dead master's breaker closes, and the client
+// routes to the promoted replica without waiting for its own periodic
+// reload. It runs on the path of a call, at most once per the longest
+// probe interval (see WithProbeBackoff), and only while some breaker is
+// open and that of "cluster" is not (the map could be read). It reports
+// whether it tried to read the map: the call's start time is then out of
+// date (a node that does not answer costs the call up to the timeout).
+func (e *Engine) sweep(ctx context.Context, now time.Time) bool {
+	mono := monoNow(now)
+	due := e.sweepAt.Load()
+	if mono < due || !e.sweepAt.CompareAndSwap(due, mono+int64(e.breakers.max)) {
+		return false
+	}
+	if open, _ := e.breakers.state(); !open || e.unread.b.open.Load() {
+		return false
+	}
+	ctx, cancel := e.callContext(ctx)
+	defer cancel()
+	var mu sync.Mutex // guards masters
+	masters := map[string]bool{}
+	err := e.cluster.ForEachMaster(ctx, func(_ context.Context, m *redis.Client) error {
+		mu.Lock()
+		masters[m.Options().Addr] = true
+		mu.Unlock()
+		return nil
+	})
+	if err != nil || len(masters) == 0 {
+		return true
+	}
+	retired := e.breakers.retire(func(node string) bool { return !masters[node] })
+	if len(retired) == 0 {
+		return true
+	}
+	// Calls for slots cached on a retired node look them up again.
+	for i := range e.slots {
+		if en := e.slots[i].Load(); en != nil && slices.Contains(retired, en.ref.name) {
+			e.slots[i].CompareAndSwap(en, nil)
+		}
+	}
+	return true
 }
 
 // forgetSlot drops the cached node of the prefixed key's slot, if any.
@@ -414,16 +516,51 @@ func (e *Engine) forgetSlot(key string) {
 }
 
 // Load sends the engine's scripts to Redis, so that the first booking does
-// not pay for a NOSCRIPT round trip. Calling it is optional.
+// not pay for a NOSCRIPT round trip. Calling it is optional. Each Redis
+// node gets the scripts in one round trip (a pipeline) within the engine's
+// timeout; a Cluster's nodes, masters and replicas, each within its own,
+// after the slot map is read within another. Through another kind of
+// client each script is sent on its own, within its own timeout.
 func (e *Engine) Load(ctx context.Context) error {
-	ctx, cancel := e.callContext(ctx)
-	defer cancel()
-	for _, s := range []*script{bookScript, book1Script, refundScript, heartbeatScript, blockScript, resetScript, windowScript, stateScript} {
-		if err := s.Load(ctx, e.rdb).Err(); err != nil {
-			return fmt.Errorf("throttle: load scripts: %w", err)
+	var err error
+	switch c := e.rdb.(type) {
+	case *redis.Client:
+		err = e.loadNode(ctx, c)
+	case *redis.ClusterClient:
+		mctx, cancel := e.callContext(ctx)
+		defer cancel()
+		err = c.ForEachShard(mctx, func(_ context.Context, n *redis.Client) error { return e.loadNode(ctx, n) })
+	default: // a Ring or another Scripter
+		for _, s := range engineScripts {
+			sctx, cancel := e.callContext(ctx)
+			err = s.Load(sctx, e.rdb).Err()
+			cancel()
+			if err != nil {
+				break
+			}
 		}
 	}
+	if err != nil {
+		return fmt.Errorf("throttle: load scripts: %w", err)
+	}
 	return nil
+}
+
+// engineScripts are the scripts Load sends.
+var engineScripts = []*script{bookScript, book1Script, refundScript, heartbeatScript, blockScript, resetScript, windowScript, stateScript}
+
+// loadNode sends the scripts to the one node of c in one pipeline, within
+// the engine's timeout.
+func (e *Engine) loadNode(ctx context.Context, c *redis.Client) error {
+	ctx, cancel := e.callContext(ctx)
+	defer cancel()
+	_, err := c.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for _, s := range engineScripts {
+			p.ScriptLoad(ctx, s.src)
+		}
+		return nil
+	})
+	return err
 }
 
 // Heartbeat records that the process id is alive under name for ttl and

@@ -208,7 +208,7 @@ func waitReplicaSynced(t *testing.T, rdb *redis.Client) {
 	require.Eventually(t, func() bool {
 		info, err := rdb.Info(context.Background(), "replication").Result()
 		return err == nil && strings.Contains(info, "master_link_status:up")
-	}, 10*time.Second, 10*time.Millisecond)
+	}, 30*time.Second, 10*time.Millisecond, "the replica in sync")
 }
 
 // freeClosedPort returns a 127.0.0.1 port nothing listens on.
