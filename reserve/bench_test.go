@@ -191,11 +191,18 @@ func (instantRedis) ScriptLoad(ctx context.Context, _ string) *redis.StringCmd {
 // goroutine, against a Redis stand-in that answers at once: ns/op and
 // allocs/op of the reserve and throttle layers alone.
 func BenchmarkClientPath(b *testing.B) {
+	benchClientPath(b, func(*testing.B) redis.Scripter { return instantRedis{} })
+}
+
+// benchClientPath runs the client-path sub-benchmarks (coalescing on and
+// off, the caller's context with and without a deadline) on an engine over
+// the client rdb makes, with the engine's timeout 5s.
+func benchClientPath(b *testing.B, rdb func(*testing.B) redis.Scripter) {
 	for _, coalesce := range []bool{true, false} {
 		for _, dl := range []bool{false, true} {
 			name := fmt.Sprintf("coalesce=%v/deadline=%v", coalesce, dl)
 			b.Run(name, func(b *testing.B) {
-				eng, err := throttle.New(instantRedis{}, throttle.WithTimeout(5*time.Second))
+				eng, err := throttle.New(rdb(b), throttle.WithTimeout(5*time.Second))
 				require.NoError(b, err)
 				l, err := reserve.New(eng, "bench", highLimit, reserve.WithCoalescing(coalesce))
 				require.NoError(b, err)
@@ -242,35 +249,13 @@ func (instantHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 }
 
 // BenchmarkClientPathGoRedis is BenchmarkClientPath through a go-redis
-// Client (default options, the engine's timeout 5s) whose commands are
-// answered in process by instantHook.
+// Client (default options) whose commands are answered in process by
+// instantHook.
 func BenchmarkClientPathGoRedis(b *testing.B) {
-	for _, coalesce := range []bool{true, false} {
-		for _, dl := range []bool{false, true} {
-			name := fmt.Sprintf("coalesce=%v/deadline=%v", coalesce, dl)
-			b.Run(name, func(b *testing.B) {
-				rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", ContextTimeoutEnabled: true})
-				b.Cleanup(func() { _ = rdb.Close() })
-				rdb.AddHook(instantHook{})
-				eng, err := throttle.New(rdb, throttle.WithTimeout(5*time.Second))
-				require.NoError(b, err)
-				l, err := reserve.New(eng, "bench", highLimit, reserve.WithCoalescing(coalesce))
-				require.NoError(b, err)
-				ctx := context.Background()
-				if dl {
-					var cancel context.CancelFunc
-					ctx, cancel = context.WithTimeout(ctx, time.Hour)
-					defer cancel()
-				}
-				b.ReportAllocs()
-				b.ResetTimer()
-				for i := 0; i < b.N; i++ {
-					r, err := l.Reserve(ctx, "k")
-					if err != nil || !r.OK() {
-						b.Fatal(err, r.Err())
-					}
-				}
-			})
-		}
-	}
+	benchClientPath(b, func(b *testing.B) redis.Scripter {
+		rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", ContextTimeoutEnabled: true})
+		b.Cleanup(func() { _ = rdb.Close() })
+		rdb.AddHook(instantHook{})
+		return rdb
+	})
 }
