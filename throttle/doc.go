@@ -28,7 +28,9 @@
 //
 //	class                     errors                               caller sees          breaker
 //	unavailable, not sent     dial failed, connection refused, a   ErrUnavailable       opens
-//	                          new connection not made in time;
+//	                          new connection not made in time, a
+//	                          broken connection found on writing
+//	                          (the command was not written whole);
 //	                          Redis refused to run it: LOADING,
 //	                          MASTERDOWN, BUSY, CLUSTERDOWN, and
 //	                          writes refused: OOM (maxmemory,
@@ -42,7 +44,8 @@
 //	                          serves its other slots
 //	unavailable, reply lost   timeout after sending (a stopped or  ErrUnavailable +     opens
 //	                          paused server, CLIENT PAUSE), broken ErrReplyLost
-//	                          connection: the script may have run
+//	                          connection while reading the reply:
+//	                          the script may have run
 //	client saturated          the client's own pool had no         ErrUnavailable       unchanged
 //	                          connection in time: a pool timeout,
 //	                          or the timeout passed while the call
