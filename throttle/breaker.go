@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -300,7 +301,26 @@ func notSent(err error) bool {
 		return true
 	}
 	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, redis.ErrPoolTimeout) ||
-		errors.Is(err, redis.ErrPoolExhausted) || waitedInClient(err) || cannotServe(err)
+		errors.Is(err, redis.ErrPoolExhausted) || waitedInClient(err) || handshakeFailed(err) ||
+		cannotServe(err)
+}
+
+// handshakeFailed reports whether err is the cause go-redis returns when a
+// new connection's handshake (HELLO, AUTH, the commands of OnConnect)
+// fails on the socket: its initPooledConn unwraps the *net.OpError (checked
+// for v9.23), leaving an i/o timeout or a syscall error such as
+// ECONNRESET, while a failure of the call's own command keeps its
+// *net.OpError. The command was not sent. (A bare io.EOF proves nothing:
+// a command's own read returns it bare too.) Such a failure still counts
+// against the node, as any unavailable error does: a stopped server fails
+// a new connection's HELLO the same way as a handshake that came late.
+func handshakeFailed(err error) bool {
+	var op *net.OpError
+	if errors.As(err, &op) {
+		return false
+	}
+	var se *os.SyscallError
+	return errors.Is(err, os.ErrDeadlineExceeded) || errors.As(err, &se)
 }
 
 // writeTimedOut reports whether err is a write that timed out: the call

@@ -152,6 +152,77 @@ func TestLateConnectionIsNotRedisDown(t *testing.T) {
 	require.Zero(t, n, "the script never ran")
 }
 
+// slowFirstWrite delays the first write on a connection: the HELLO of a
+// new connection, as when the goroutine that dialed is descheduled on a
+// busy machine.
+type slowFirstWrite struct {
+	net.Conn
+	once sync.Once
+	d    time.Duration
+}
+
+func (c *slowFirstWrite) Write(b []byte) (int, error) {
+	c.once.Do(func() { time.Sleep(c.d) })
+	return c.Conn.Write(b)
+}
+
+// TestFailedHandshakeNotSent: a call that needs a new connection whose
+// handshake (HELLO) fails never sent its script, whether the handshake was
+// written after the call's time was up (a healthy server) or went to a
+// stopped server (SIGSTOP: the kernel accepts, nothing answers). go-redis
+// hands back the bare cause of such a failure (an i/o timeout, unwrapped
+// from its *net.OpError): ErrUnavailable without ErrReplyLost, and the key
+// untouched. The breaker opens in both cases: the two cannot be told
+// apart, and a stopped server must not make every caller wait.
+func TestFailedHandshakeNotSent(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	lim := throttle.PerSecond(10, 5)
+	check := func(t *testing.T, srv *redistest.Server, prefix string, err error, log *nodeLog) {
+		t.Helper()
+		t.Logf("%v; breaker changes %v", err, log.getNodes())
+		require.ErrorIs(t, err, throttle.ErrUnavailable)
+		require.NotErrorIs(t, err, throttle.ErrReplyLost, "only the handshake was sent")
+		n, err := srv.Client(t).Exists(ctx, prefix+"k").Result()
+		require.NoError(t, err)
+		require.Zero(t, n, "the script never ran")
+		require.Equal(t, []nodeChange{{srv.Addr, true}}, log.getNodes())
+	}
+	t.Run("late HELLO", func(t *testing.T) {
+		t.Parallel()
+		srv := redistest.Start(t)
+		o := srv.Options()
+		o.Dialer = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			return &slowFirstWrite{Conn: c, d: 80 * time.Millisecond}, nil // past the 50ms timeout
+		}
+		rdb := redis.NewClient(o)
+		t.Cleanup(func() { _ = rdb.Close() })
+		log := &nodeLog{}
+		prefix := redistest.Prefix(t)
+		eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithObserver(log))
+		require.NoError(t, err)
+		_, err = eng.Allow(ctx, "k", lim)
+		check(t, srv, prefix, err, log)
+	})
+	t.Run("stopped server", func(t *testing.T) {
+		t.Parallel()
+		srv := redistest.Start(t)
+		log := &nodeLog{}
+		prefix := redistest.Prefix(t)
+		eng, err := throttle.New(srv.Client(t), throttle.WithPrefix(prefix), throttle.WithObserver(log))
+		require.NoError(t, err)
+		require.NoError(t, syscall.Kill(srv.Pid(), syscall.SIGSTOP))
+		t.Cleanup(func() { _ = syscall.Kill(srv.Pid(), syscall.SIGCONT) })
+		_, err = eng.Allow(ctx, "k", lim)
+		require.NoError(t, syscall.Kill(srv.Pid(), syscall.SIGCONT))
+		check(t, srv, prefix, err, log)
+	})
+}
+
 // TestLeaseWaitersDoNotOpenBreaker: package lease blocks (BLPOP) on the
 // engine's own client for each key with a waiter. With as many waiting
 // keys as the pool has connections, the limiter's calls on the same client
