@@ -35,10 +35,13 @@ type began struct{}
 // tasks are enqueued in queue A, booked ahead and sent back (the process
 // keeps those due within two seconds); queue A is paused, so that they
 // cannot come back yet; the limiter's Redis is flushed; 40 new tasks are
-// enqueued in queue B, whose first booking call, on the empty state, is
-// answered before queue A resumes. This is the case the fix covers: a
-// booking call for the key between the loss and the tasks' return. (What
-// it cannot cover, bookings kept and run before the process's next call
+// enqueued in queue B. In "call first", B's first booking call, on the
+// empty state, is answered before queue A resumes: the reply drops the
+// kept bookings before A's tasks come back. In "tasks first", A resumes
+// at once and B comes a second later: A's tasks come back and wait in
+// their handlers for the bookings they kept, until a reply after the loss
+// shows those bookings gone and wakes them to book again. (What no reply
+// can undo, kept bookings whose slots pass before the process's next call
 // for the key, is in WithBookedRetries's doc.)
 //
 // The bound. A textbook GCRA that loses its state starts afresh with a
@@ -55,9 +58,16 @@ type began struct{}
 // window of 1 s.
 func TestBookedStateLoss(t *testing.T) {
 	if testing.Short() {
-		t.Skip("4 s: skipped with -short")
+		t.Skip("8 s: skipped with -short")
 	}
 	// Not parallel: it judges starts in windows, on a machine busy enough.
+	t.Run("call first", func(t *testing.T) { bookedStateLoss(t, true) })
+	t.Run("tasks first", func(t *testing.T) { bookedStateLoss(t, false) })
+}
+
+// bookedStateLoss is TestBookedStateLoss's scene, with B's first call
+// before A's tasks come back if callFirst, else A's tasks first.
+func bookedStateLoss(t *testing.T, callFirst bool) {
 	srvRedis := redistest.Shared(t)
 	srvRedis.RequireReal(t)
 	limRedis := redistest.Start(t) // the limiter's own, flushed below
@@ -135,15 +145,21 @@ func TestBookedStateLoss(t *testing.T) {
 
 	require.NoError(t, look.FlushAll(ctx).Err())
 	flushed := time.Now()
-	enqueue(qb, nB)
-	// B's first task books the first slot of the empty key: it starts at
-	// once, after its call's reply.
-	require.Eventually(t, func() bool {
-		mu.Lock()
-		defer mu.Unlock()
-		return slices.ContainsFunc(starts, func(s start) bool { return s.began.After(flushed) })
-	}, 30*time.Second, 5*time.Millisecond, "B's first start")
-	require.NoError(t, insp.UnpauseQueue(qa))
+	if callFirst {
+		enqueue(qb, nB)
+		// B's first task books the first slot of the empty key: it starts
+		// at once, after its call's reply.
+		require.Eventually(t, func() bool {
+			mu.Lock()
+			defer mu.Unlock()
+			return slices.ContainsFunc(starts, func(s start) bool { return s.began.After(flushed) })
+		}, 30*time.Second, 5*time.Millisecond, "B's first start")
+		require.NoError(t, insp.UnpauseQueue(qa))
+	} else {
+		require.NoError(t, insp.UnpauseQueue(qa))
+		time.Sleep(time.Second)
+		enqueue(qb, nB)
+	}
 
 	require.Eventually(t, func() bool {
 		mu.Lock()
