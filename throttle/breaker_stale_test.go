@@ -324,10 +324,7 @@ func TestStaleLoadOwnTimeouts(t *testing.T) {
 	p := redistest.NewProxy(t, srv.Addr)
 	const timeout = 200 * time.Millisecond
 	p.SetLatency(timeout / 10) // a round trip of timeout/5: eight take 1.6 timeouts
-	o := srv.Options()
-	o.Addr = p.Addr()
-	rdb := redis.NewClient(o)
-	t.Cleanup(func() { _ = rdb.Close() })
+	rdb := p.Client(t, srv)
 	eng, err := throttle.New(rdb, throttle.WithTimeout(timeout))
 	require.NoError(t, err)
 	ctx := context.Background()

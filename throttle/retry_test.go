@@ -22,11 +22,7 @@ func TestNoRetryAfterSend(t *testing.T) {
 	srv := redistest.Shared(t)
 	direct := srv.Client(t)
 	proxy := redistest.NewProxy(t, srv.Addr)
-	opts := srv.Options()
-	opts.Addr = proxy.Addr()
-	opts.MaxRetries = 3 // go-redis's default
-	rdb := redis.NewClient(opts)
-	t.Cleanup(func() { _ = rdb.Close() })
+	rdb := proxy.Client(t, srv, func(o *redis.Options) { o.MaxRetries = 3 }) // go-redis's default
 	prefix := redistest.Prefix(t)
 	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(10*time.Second))
 	require.NoError(t, err)

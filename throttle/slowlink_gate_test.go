@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/internal/redistest"
@@ -28,10 +27,7 @@ func TestSlowLinkProbeReconnects(t *testing.T) {
 	srv := redistest.Start(t)
 	p := redistest.NewProxy(t, srv.Addr)
 	p.SetLatency(20 * time.Millisecond)
-	o := srv.Options()
-	o.Addr = p.Addr()
-	rdb := redis.NewClient(o)
-	t.Cleanup(func() { _ = rdb.Close() })
+	rdb := p.Client(t, srv)
 	log := &nodeLog{}
 	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithObserver(log))
 	require.NoError(t, err)

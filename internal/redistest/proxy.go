@@ -6,6 +6,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // A Proxy is a loopback TCP proxy in front of a Redis, for fault tests: it
@@ -19,7 +21,8 @@ import (
 // at the proxy, and never overtakes the bytes before it, so lowering a delay
 // does not let later bytes jump ahead.
 //
-// Point a client at it with a copy of the server's options:
+// Point a client at it with Client, or with a copy of the server's
+// options:
 //
 //	opts := srv.Options()
 //	opts.Addr = redistest.NewProxy(t, srv.Addr).Addr()
@@ -58,6 +61,20 @@ func NewProxy(tb testing.TB, target string) *Proxy {
 
 // Addr returns the proxy's address, host:port on 127.0.0.1.
 func (p *Proxy) Addr() string { return p.ln.Addr().String() }
+
+// Client returns a client of srv through p, built from srv's options
+// changed by each of tweak, and closed when the test ends.
+func (p *Proxy) Client(tb testing.TB, srv *Server, tweak ...func(*redis.Options)) *redis.Client {
+	tb.Helper()
+	o := srv.Options()
+	o.Addr = p.Addr()
+	for _, f := range tweak {
+		f(o)
+	}
+	c := redis.NewClient(o)
+	tb.Cleanup(func() { _ = c.Close() })
+	return c
+}
 
 // SetReplyDelay holds every byte from the server back for d before passing
 // it to the client. Requests still reach the server at once.
