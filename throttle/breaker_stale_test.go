@@ -2,9 +2,11 @@ package throttle_test
 
 import (
 	"context"
+	"fmt"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -314,6 +316,50 @@ func TestStaleUnreadableSlotMapFailsFast(t *testing.T) {
 	require.Less(t, d, timeout/2, "UnavailableFor took %v", d)
 }
 
+// TestStaleUnreadableSlotMapOneLookup: while the slot map cannot be read
+// (every node stopped before the client's first use), only the probe of
+// the "cluster" breaker reads it. Before, a call that found the probe due
+// read the map, paying the timeout, while another took the probe, and
+// lookups went on while the probe was under way (due all that time): each
+// such call was then refused by the open breaker after a timeout's wait,
+// about four per probe. A call refused by the breaker must be refused at
+// once.
+func TestStaleUnreadableSlotMapOneLookup(t *testing.T) {
+	t.Parallel()
+	cluster := redistest.StartCluster(t, 3)
+	cc := cluster.Client(t)                // not used yet: no slot map read
+	const timeout = 200 * time.Millisecond // a wasted wait stands out on a busy machine
+	eng, err := throttle.New(cc, throttle.WithTimeout(timeout))
+	require.NoError(t, err)
+	stopAll(t, cluster, 3)
+	lim := throttle.PerSecond(1000, 1000)
+	var calls, refused, wasted atomic.Int64
+	stop := time.Now().Add(2 * time.Second)
+	var wg sync.WaitGroup
+	for g := 0; g < 8; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; time.Now().Before(stop); i++ {
+				t0 := time.Now()
+				_, err := eng.Allow(context.Background(), fmt.Sprintf("k%d-%d", g, i), lim)
+				calls.Add(1)
+				if err != nil && strings.Contains(err.Error(), "failing fast") {
+					refused.Add(1)
+					if time.Since(t0) >= timeout/2 {
+						wasted.Add(1)
+					}
+				}
+				time.Sleep(time.Millisecond)
+			}
+		}()
+	}
+	wg.Wait()
+	t.Logf("%d calls, %d refused by the open breaker, %d of them after waiting half a timeout or more", calls.Load(), refused.Load(), wasted.Load())
+	require.Positive(t, refused.Load(), "the breaker of \"cluster\" opened")
+	require.Zero(t, wasted.Load(), "calls refused by the breaker after paying a slot-map lookup's timeout")
+}
+
 // TestStaleLoadOwnTimeouts: Load sends the engine's scripts within the
 // engine's timeout as single calls are, not eight round trips under one
 // timeout: with a round trip a fifth of the timeout, calls succeed and so
@@ -366,4 +412,38 @@ func TestStaleLoadCluster(t *testing.T) {
 		}
 		require.GreaterOrEqual(t, n, 8, "scripts cached on master %s", cluster.Addrs[i])
 	}
+}
+
+// TestLoadRingEveryShard: Load through a Ring sends the scripts to every
+// shard (a keyless SCRIPT LOAD through a Ring goes to one shard at
+// random: before, two shards held 2 and 6 of them), as many as Load
+// through a plain client leaves on a fresh server.
+func TestLoadRingEveryShard(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	a, b, control := redistest.Start(t), redistest.Start(t), redistest.Start(t)
+	cached := func(s *redistest.Server) string {
+		info, err := s.Client(t).Info(ctx, "memory").Result()
+		require.NoError(t, err)
+		for _, l := range strings.Split(info, "\r\n") {
+			if v, ok := strings.CutPrefix(l, "number_of_cached_scripts:"); ok {
+				return v
+			}
+		}
+		t.Fatal("no number_of_cached_scripts in INFO memory")
+		return ""
+	}
+	plain, err := throttle.New(control.Client(t), throttle.WithTimeout(2*time.Second))
+	require.NoError(t, err)
+	redistest.UntilOK(t, func() error { return plain.Load(ctx) })
+	want := cached(control)
+
+	ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": a.Addr, "b": b.Addr}, ContextTimeoutEnabled: true, MaxRetries: -1})
+	t.Cleanup(func() { _ = ring.Close() })
+	eng, err := throttle.New(ring, throttle.WithTimeout(2*time.Second))
+	require.NoError(t, err)
+	redistest.UntilOK(t, func() error { return eng.Load(ctx) })
+	t.Logf("scripts cached: shard a %s, shard b %s, a plain client's server %s", cached(a), cached(b), want)
+	require.Equal(t, want, cached(a), "shard a")
+	require.Equal(t, want, cached(b), "shard b")
 }

@@ -154,15 +154,15 @@ func TestClusterSlotCache(t *testing.T) {
 		require.NoError(t, err)
 		want := m.Options().Addr
 		require.Equal(t, want, e.node(ctx, key), "first lookup of %q", key)
-		r, cached := e.nodeFor(ctx, key, time.Now())
+		r, cached, _ := e.nodeFor(ctx, key, time.Now())
 		require.True(t, cached, "%q: the second lookup is the cache's", key)
 		require.Equal(t, want, r.name, "cached node of %q", key)
 		seen[want] = true
 	}
 	require.Len(t, seen, 3, "keys on every master")
 	e.forgetSlot(DefaultPrefix + "k1")
-	_, cached := e.nodeFor(ctx, DefaultPrefix+"k1", time.Now())
+	_, cached, _ := e.nodeFor(ctx, DefaultPrefix+"k1", time.Now())
 	require.False(t, cached, "a forgotten slot is looked up again")
-	_, cached = e.nodeFor(ctx, DefaultPrefix+"k1", time.Now().Add(2*slotCacheTTL))
+	_, cached, _ = e.nodeFor(ctx, DefaultPrefix+"k1", time.Now().Add(2*slotCacheTTL))
 	require.False(t, cached, "an entry older than slotCacheTTL is looked up again")
 }

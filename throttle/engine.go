@@ -104,13 +104,11 @@ type Engine struct {
 	slots   *slotCache           // for a Cluster: each slot's node, as last looked up
 
 	// For a Cluster: unread is the pseudo-node calls are counted against
-	// while the client cannot read the slot map (see nodeFor); lookingUp
-	// is set while a call reads the map with unread's breaker open (one at
-	// a time); sweepAt is when the next sweep of stale breakers may run,
-	// in monoNow nanoseconds (see sweep).
-	unread    *nodeRef
-	lookingUp atomic.Bool
-	sweepAt   atomic.Int64
+	// while the client cannot read the slot map (see nodeFor); sweepAt is
+	// when the next sweep of stale breakers may run, in monoNow
+	// nanoseconds (see sweep).
+	unread  *nodeRef
+	sweepAt atomic.Int64
 }
 
 // unreadNode names the pseudo-node of a Cluster whose slot map cannot be
@@ -407,7 +405,7 @@ func (e *Engine) node(ctx context.Context, key string) string {
 	if e.cluster == nil {
 		return e.fixed.name
 	}
-	r, _ := e.lookup(ctx, key, time.Now(), false)
+	r, _, _ := e.lookup(ctx, key, time.Now(), false)
 	return r.name
 }
 
@@ -415,50 +413,63 @@ func (e *Engine) node(ctx context.Context, key string) string {
 // node), for a call starting at now, and whether it came from the slot
 // cache (a Cluster's, looked up within slotCacheTTL before now) with no
 // Redis call made. For a Cluster it first sweeps stale breakers, when one
-// is due (see sweep).
-func (e *Engine) nodeFor(ctx context.Context, key string, now time.Time) (r *nodeRef, cached bool) {
+// is due (see sweep). probeErr is the error of the call's reading of the
+// slot map when that was the probe of "cluster" and failed (see lookup):
+// the call's own error.
+func (e *Engine) nodeFor(ctx context.Context, key string, now time.Time) (r *nodeRef, cached bool, probeErr error) {
 	if e.cluster == nil {
-		return e.fixed, false
+		return e.fixed, false, nil
 	}
 	swept := e.sweep(ctx, now)
-	r, cached = e.lookup(ctx, key, now, true)
-	return r, cached && !swept
+	r, cached, probeErr = e.lookup(ctx, key, now, true)
+	return r, cached && !swept, probeErr
 }
 
 // lookup is nodeFor for a Cluster, without the sweep. While the breaker
-// of "cluster" is open (the slot map could not be read) it reads the map
-// only when that breaker's probe is due, and then only for one call at a
-// time, and never if probe is false: the other calls fail fast, as calls
-// to any node with an open breaker do, instead of each waiting out the
-// timeout on a map that cannot be read. Once the map is read, the breaker
-// of "cluster" is closed (no call maps to it any more).
-func (e *Engine) lookup(ctx context.Context, key string, now time.Time, probe bool) (r *nodeRef, cached bool) {
+// of "cluster" is open (the slot map could not be read) only that
+// breaker's probe reads the map: a call that finds the probe due takes it
+// here, if mayProbe, and its reading of the map is the probe; every other
+// call fails fast, as calls to any node with an open breaker do, instead
+// of each waiting out the timeout on a map that cannot be read. Once the
+// map is read, the breaker of "cluster" is closed (no call maps to it any
+// more). probeErr is the error of a probe that failed.
+func (e *Engine) lookup(ctx context.Context, key string, now time.Time, mayProbe bool) (r *nodeRef, cached bool, probeErr error) {
 	slot := &e.slots[keySlot(key)]
 	mono := monoNow(now)
 	if en := slot.Load(); en != nil && mono-en.at < int64(slotCacheTTL) {
-		return en.ref, true
+		return en.ref, true, nil
 	}
+	probing := false
 	if e.unread.b.open.Load() {
-		if _, in := e.breakers.stateOf(unreadNode); in > 0 || !probe {
-			return e.unread, false
+		if !mayProbe {
+			return e.unread, false, nil
 		}
-		if !e.lookingUp.CompareAndSwap(false, true) {
-			return e.unread, false
+		ok, probe := e.breakers.allowB(e.unread.b)
+		if !ok {
+			return e.unread, false, nil // the probe is not due, or under way
 		}
-		defer e.lookingUp.Store(false)
+		probing = probe // else closed meanwhile: an ordinary lookup
 	}
-	ctx, cancel := e.callContext(ctx)
+	callCtx, cancel := e.callContext(ctx)
 	defer cancel()
-	m, err := e.cluster.MasterForKey(ctx, key)
+	m, err := e.cluster.MasterForKey(callCtx, key)
 	if err != nil {
-		return e.unread, false
+		if !probing {
+			return e.unread, false, nil
+		}
+		if ended := callerEnded(ctx, callCtx); ended != nil {
+			e.breakers.abandonB(e.unread.b)
+			return e.unread, false, ended
+		}
+		e.breakers.probeFailedB(e.unread.b, now)
+		return e.unread, false, fmt.Errorf("%w: %w", ErrUnavailable, err)
 	}
 	if e.unread.b.open.Load() {
 		e.breakers.retire(func(node string) bool { return node == unreadNode })
 	}
 	r = e.ref(m.Options().Addr)
 	slot.Store(&slotEntry{ref: r, at: mono})
-	return r, false
+	return r, false, nil
 }
 
 // sweep closes the breakers of Cluster nodes that no call maps to any
@@ -519,8 +530,9 @@ func (e *Engine) forgetSlot(key string) {
 // not pay for a NOSCRIPT round trip. Calling it is optional. Each Redis
 // node gets the scripts in one round trip (a pipeline) within the engine's
 // timeout; a Cluster's nodes, masters and replicas, each within its own,
-// after the slot map is read within another. Through another kind of
-// client each script is sent on its own, within its own timeout.
+// after the slot map is read within another; a Ring's shards each within
+// its own. Through another kind of client each script is sent on its own,
+// within its own timeout.
 func (e *Engine) Load(ctx context.Context) error {
 	var err error
 	switch c := e.rdb.(type) {
@@ -530,7 +542,10 @@ func (e *Engine) Load(ctx context.Context) error {
 		mctx, cancel := e.callContext(ctx)
 		defer cancel()
 		err = c.ForEachShard(mctx, func(_ context.Context, n *redis.Client) error { return e.loadNode(ctx, n) })
-	default: // a Ring or another Scripter
+	case *redis.Ring:
+		// A keyless SCRIPT LOAD through a Ring goes to one shard at random.
+		err = c.ForEachShard(ctx, func(_ context.Context, n *redis.Client) error { return e.loadNode(ctx, n) })
+	default: // another Scripter
 		for _, s := range engineScripts {
 			sctx, cancel := e.callContext(ctx)
 			err = s.Load(sctx, e.rdb).Err()

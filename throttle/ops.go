@@ -313,13 +313,21 @@ func (e *Engine) runReply(ctx context.Context, s *script, keys []string, args []
 		full[i] = e.prefix + k
 	}
 	now := time.Now()
-	ref, cached := e.nodeFor(ctx, full[0], now)
+	ref, cached, probeErr := e.nodeFor(ctx, full[0], now)
+	if probeErr != nil { // the call was the probe of an unreadable slot map
+		e.observer.ObserveCall(label(keys[0]), time.Since(now), probeErr)
+		return nil, probeErr
+	}
 	ok, probe := e.breakers.allowB(ref.b) // before the gate: fail fast without queueing
 	if !ok && cached {
 		// The slot may have moved off the node since it was cached: look
 		// again before failing fast.
 		e.forgetSlot(full[0])
-		ref, cached = e.nodeFor(ctx, full[0], now)
+		ref, cached, probeErr = e.nodeFor(ctx, full[0], now)
+		if probeErr != nil {
+			e.observer.ObserveCall(label(keys[0]), time.Since(now), probeErr)
+			return nil, probeErr
+		}
 		ok, probe = e.breakers.allowB(ref.b)
 	}
 	if e.cluster != nil && !cached {
