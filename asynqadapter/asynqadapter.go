@@ -435,6 +435,9 @@ func newMiddleware(lim *reserve.Limiter, opts ...Option) (*middleware, error) {
 		if len(lim.Limits()) != 1 {
 			return nil, fmt.Errorf("booked retries: the limiter has %d limits, want one", len(lim.Limits()))
 		}
+		if cfg.booked.eng != lim.Engine() {
+			return nil, errors.New("booked retries: the engine is not the one the limiter books through")
+		}
 		runCap, _ := m.lim.MaxWait()
 		m.booked = newBooked(cfg.booked, runCap)
 	}

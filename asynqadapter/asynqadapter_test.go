@@ -277,6 +277,10 @@ func TestBadOptions(t *testing.T) {
 	e := newEnv(t)
 	l := e.limiter(t, throttle.PerSecond(10, 0))
 	layered := e.limiter(t, throttle.PerSecond(10, 0), reserve.WithLimit(throttle.PerHour(1000, 0)))
+	// The same client and prefix, another engine: booked attempts would
+	// judge a key the limiter's other paths never see.
+	other, err := throttle.New(e.rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second))
+	require.NoError(t, err)
 	tests := []struct {
 		name string
 		lim  *reserve.Limiter
@@ -293,6 +297,7 @@ func TestBadOptions(t *testing.T) {
 		{"booked retries, nil engine", l, asynqadapter.WithBookedRetries(nil, time.Minute), "booked retries: nil engine"},
 		{"booked retries, no horizon", l, asynqadapter.WithBookedRetries(e.eng, 0), "booked retries: horizon 0s: want a positive duration of at most 8784h0m0s"},
 		{"booked retries, two limits", layered, asynqadapter.WithBookedRetries(e.eng, time.Minute), "booked retries: the limiter has 2 limits, want one"},
+		{"booked retries, another engine", l, asynqadapter.WithBookedRetries(other, time.Minute), "booked retries: the engine is not the one the limiter books through"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

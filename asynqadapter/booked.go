@@ -64,8 +64,10 @@ import (
 // 21 starts in a second whether the call or the tasks come first after a
 // flush, against 37 and 30 to 32 when kept bookings ran regardless).
 //
-// eng must be the engine lim was built on, and lim must have one limit
-// (reserve.WithLimit adds others: not supported here). Tasks on their last
+// eng must be the engine lim books through (lim.Engine(); NewMiddleware
+// refuses another, which would book a key the limiter's other paths never
+// see), and lim must have one limit (reserve.WithLimit adds others: not
+// supported here). Tasks on their last
 // attempt (which asynq would archive on a refusal) still wait in their
 // handler (WithLastAttemptWait). horizon must be positive and at most
 // throttle.MaxHorizon.

@@ -186,6 +186,9 @@ func (l *Limiter) With(opts ...Option) (*Limiter, error) {
 // Name returns the limiter's name.
 func (l *Limiter) Name() string { return l.name }
 
+// Engine returns the engine the limiter books through.
+func (l *Limiter) Engine() *throttle.Engine { return l.eng }
+
 // Limit returns the limiter's first Limit.
 func (l *Limiter) Limit() throttle.Limit { return l.limit }
 
