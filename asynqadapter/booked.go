@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"strconv"
 	"sync"
 	"time"
@@ -101,11 +102,13 @@ type booked struct {
 	bookedConfig
 	runCap time.Duration // the max wait for running now
 
-	mu       sync.Mutex                     // guards the maps below
+	mu       sync.Mutex                     // guards the fields below
 	due      map[string]map[string]kept     // per subject: member -> its slot
 	asleep   map[string]map[string]*sleeper // per subject: member -> its task, waiting for it
 	inflight map[string]chan struct{}       // per subject: closed when its call returns
 	forget   map[string][]string            // per subject: members used from due
+	forgotAt map[string]time.Time           // per subject in forget: when its first member was added
+	pruned   time.Time                      // when prune last ran
 }
 
 // sleeper is a task waiting in its handler for a kept booking taken from
@@ -124,7 +127,8 @@ type kept struct {
 
 func newBooked(c *bookedConfig, runCap time.Duration) *booked {
 	return &booked{bookedConfig: *c, runCap: runCap, due: map[string]map[string]kept{},
-		asleep: map[string]map[string]*sleeper{}, inflight: map[string]chan struct{}{}, forget: map[string][]string{}}
+		asleep: map[string]map[string]*sleeper{}, inflight: map[string]chan struct{}{}, forget: map[string][]string{},
+		forgotAt: map[string]time.Time{}}
 }
 
 // take returns, and removes, the kept booking of member under subject,
@@ -161,9 +165,7 @@ func (b *booked) done(subject, member string) bool {
 	if len(b.asleep[subject]) == 0 {
 		delete(b.asleep, subject)
 	}
-	if f := b.forget[subject]; len(f) < maxForget {
-		b.forget[subject] = append(f, member)
-	}
+	b.addForget(subject, member)
 	return true
 }
 
@@ -172,8 +174,48 @@ func (b *booked) forgetLater(subject, member string) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	delete(b.due[subject], member)
-	if f := b.forget[subject]; len(f) < maxForget {
-		b.forget[subject] = append(f, member)
+	b.addForget(subject, member)
+}
+
+// addForget has the next call for subject take member out of the index
+// (at most maxForget members wait per subject; an entry not taken out is
+// dropped by Redis a minute after its slot). Call with b.mu held.
+func (b *booked) addForget(subject, member string) {
+	f := b.forget[subject]
+	if len(f) >= maxForget {
+		return
+	}
+	if len(f) == 0 {
+		b.forgotAt[subject] = time.Now()
+	}
+	b.forget[subject] = append(f, member)
+}
+
+// prune drops, at most once per cacheKeep, the state of keys that have gone
+// quiet (leave prunes its own key's on every call): kept bookings whose
+// slot passed more than cacheKeep ago, and members waiting to be taken
+// out of an index for longer than that (Redis has dropped them by then).
+// Call with b.mu held.
+func (b *booked) prune(now time.Time) {
+	if now.Sub(b.pruned) < cacheKeep {
+		return
+	}
+	b.pruned = now
+	for subject, keep := range b.due {
+		for member, k := range keep {
+			if now.Sub(k.at) > cacheKeep {
+				delete(keep, member)
+			}
+		}
+		if len(keep) == 0 {
+			delete(b.due, subject)
+		}
+	}
+	for subject, at := range b.forgotAt {
+		if _, busy := b.inflight[subject]; !busy && now.Sub(at) > cacheKeep {
+			delete(b.forget, subject)
+			delete(b.forgotAt, subject)
+		}
 	}
 }
 
@@ -188,6 +230,7 @@ func (b *booked) enter(subject string) (wait chan struct{}, forget []string) {
 	b.inflight[subject] = make(chan struct{})
 	forget = b.forget[subject]
 	delete(b.forget, subject)
+	delete(b.forgotAt, subject)
 	return nil, forget
 }
 
@@ -197,7 +240,10 @@ func (b *booked) enter(subject string) (wait chan struct{}, forget []string) {
 func (b *booked) leave(subject, self string, rb throttle.RetryBooking, arrived time.Time, forget []string, failed bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if failed {
+	if failed && len(forget) > 0 {
+		if len(b.forget[subject]) == 0 {
+			b.forgotAt[subject] = arrived
+		}
 		b.forget[subject] = append(b.forget[subject], forget...)
 	}
 	keep := b.due[subject]
@@ -226,6 +272,7 @@ func (b *booked) leave(subject, self string, rb throttle.RetryBooking, arrived t
 	}
 	close(b.inflight[subject])
 	delete(b.inflight, subject)
+	b.prune(arrived)
 }
 
 // drop removes from keep the bookings that the reply rb should list but
@@ -280,9 +327,7 @@ func (m *middleware) bookedAttempt(ctx context.Context, key string, t *asynq.Tas
 	}
 	retried, _ := asynq.GetRetryCount(ctx)
 	queue, _ := asynq.GetQueueName(ctx)
-	// A task's own failure counts a retry: a booking is for one attempt.
-	// Task ids are unique only within a queue: the member names both.
-	member := queue + ":" + id + ":" + strconv.Itoa(retried)
+	member := bookedMember(queue, id, retried, t)
 	subject := m.lim.Name() + ":{" + key + "}"
 	var forget []string
 	for {
@@ -334,10 +379,17 @@ func (m *middleware) bookedAttempt(ctx context.Context, key string, t *asynq.Tas
 	case err != nil:
 		return nil, false
 	case rb.Recalled:
-		if at := arrived.Add(rb.At.Sub(rb.Now)); !m.late(at) {
-			return m.runAt(ctx, at, nil, subject, t, next), true
+		at := arrived.Add(rb.At.Sub(rb.Now))
+		if m.late(at) {
+			return m.bookedAttempt(ctx, key, t, next) // spent: book again
 		}
-		return m.bookedAttempt(ctx, key, t, next) // spent: book again
+		if fits, _ := deadline.Budget(ctx, arrived, b.horizon, m.cfg.work); time.Until(at) > fits {
+			// Too far for this attempt's deadline (a task enqueued
+			// anew under the id of one deleted while booked, or run by
+			// hand before its time): the slot stays spent; book again.
+			return m.bookedAttempt(ctx, key, t, next)
+		}
+		return m.runAt(ctx, at, nil, subject, t, next), true
 	case !rb.OK:
 		return m.refused(ctx, key, deadline.Refuse(bound, budget, rb.Wait)), true
 	case rb.Recorded:
@@ -362,6 +414,22 @@ func (m *middleware) bookedAttempt(ctx context.Context, key string, t *asynq.Tas
 		return e, true
 	}
 	return m.runAt(ctx, arrived.Add(rb.Wait), &rb.Booking, subject, t, next), true
+}
+
+// bookedMember names one attempt's booking in the index: the task's queue,
+// its length first (so that no queue and id read as another pair: queue
+// "q" with id "b:x" and queue "q:b" with id "x"), its id (unique only
+// within a queue), its retry count (a booking is for one attempt, and a
+// task's own failure counts a retry), and a hash of its type and payload,
+// so that a task enqueued anew under the id of one that completed or was
+// deleted (asynq.TaskID) does not find that one's booking, unless type
+// and payload are the same too.
+func bookedMember(queue, id string, retried int, t *asynq.Task) string {
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(t.Type()))
+	_, _ = h.Write([]byte{0})
+	_, _ = h.Write(t.Payload())
+	return strconv.Itoa(len(queue)) + ":" + queue + ":" + id + ":" + strconv.Itoa(retried) + ":" + strconv.FormatUint(h.Sum64(), 36)
 }
 
 // late reports whether a booked slot at has passed by more than one

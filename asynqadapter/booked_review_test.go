@@ -2,6 +2,7 @@ package asynqadapter_test
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"testing"
 	"time"
@@ -188,4 +189,176 @@ func TestBookedNearDeadlineRuns(t *testing.T) {
 	defer mu.Unlock()
 	require.Len(t, starts, 1)
 	require.True(t, starts[0].Before(ti.Deadline), "ran at %v, before its deadline %v", starts[0], ti.Deadline)
+}
+
+// TestBookedIDReusedAfterCompletion: task X, booked ahead by one process,
+// takes the booking that process kept and runs; asynq deletes it on
+// completion (no Retention), while its index entry stays until that
+// process's next call for the key. A new task enqueued at once under X's
+// id (asynq.TaskID), taken up by another process, found X's entry and ran
+// at X's slot too: two starts on one slot of a 1/s burst-0 limit (found by
+// review: 7 to 24 ms apart). The member now holds a hash of the task's
+// type and payload.
+func TestBookedIDReusedAfterCompletion(t *testing.T) {
+	srvRedis := redistest.Shared(t)
+	srvRedis.RequireReal(t)
+	e := newEnv(t)
+	qa, qb := "qa"+e.prefix, "qb"+e.prefix
+	limit := throttle.PerSecond(1, 0)
+	l := e.limiter(t, limit, reserve.WithMaxWait(100*time.Millisecond))
+	mk := func() asynq.MiddlewareFunc {
+		mw, err := asynqadapter.NewMiddleware(l, asynqadapter.WithBookedRetries(e.eng, time.Minute),
+			asynqadapter.WithCheckInterval(time.Second))
+		require.NoError(t, err)
+		return mw
+	}
+	mw1, mw2 := mk(), mk() // two processes' state, in one asynq server
+	var (
+		mu     sync.Mutex // guards seen and starts
+		seen   = map[string]bool{}
+		starts = map[string]time.Time{}
+	)
+	xStarted := make(chan struct{})
+	route := func(h asynq.Handler) asynq.Handler {
+		a, b := mw1(h), mw2(h)
+		return asynq.HandlerFunc(func(ctx context.Context, t *asynq.Task) error {
+			p := string(t.Payload())
+			mu.Lock()
+			first := !seen[p]
+			seen[p] = true
+			mu.Unlock()
+			if p == "X" || (p == "F" && first) { // X, and F's first attempt: process 1
+				return a.ProcessTask(ctx, t)
+			}
+			return b.ProcessTask(ctx, t)
+		})
+	}
+	server(t, srvRedis.Client(t), qa, 4, route, func(ctx context.Context, tk *asynq.Task) error {
+		mu.Lock()
+		starts[string(tk.Payload())] = time.Now()
+		mu.Unlock()
+		if string(tk.Payload()) == "X" {
+			close(xStarted)
+		}
+		return nil
+	}, func(c *asynq.Config) { c.Queues = map[string]int{qa: 1, qb: 1} })
+	client := asynq.NewClientFromRedisClient(srvRedis.Client(t))
+	t.Cleanup(func() { _ = client.Close() })
+	insp := asynq.NewInspectorFromRedisClient(srvRedis.Client(t))
+	fill(t, context.Background(), l, "api:call", 3) // next slot ~3 s away
+	_, err := client.Enqueue(asynq.NewTask("api:call", []byte("X")), asynq.Queue(qa), asynq.TaskID("dup"))
+	require.NoError(t, err)
+	waitState(t, insp, qa, "dup", asynq.TaskStateRetry, 10*time.Second)
+	require.NoError(t, insp.PauseQueue(qa)) // X cannot come back before F's reply
+	time.Sleep(1300 * time.Millisecond)     // so that F's reply lists X (within 2 s)
+	_, err = client.Enqueue(asynq.NewTask("api:call", []byte("F")), asynq.Queue(qb), asynq.TaskID("filler"), asynq.Retention(time.Hour))
+	require.NoError(t, err)
+	waitState(t, insp, qb, "filler", asynq.TaskStateRetry, 10*time.Second)
+	require.NoError(t, insp.UnpauseQueue(qa))
+	select {
+	case <-xStarted:
+	case <-time.After(20 * time.Second):
+		t.Fatal("X did not start")
+	}
+	for { // X done and deleted: its id reused at once
+		_, err = client.Enqueue(asynq.NewTask("api:call", []byte("Y")), asynq.Queue(qa), asynq.TaskID("dup"), asynq.Retention(time.Hour))
+		if !errors.Is(err, asynq.ErrTaskIDConflict) {
+			break
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	require.NoError(t, err)
+	waitState(t, insp, qa, "dup", asynq.TaskStateCompleted, 30*time.Second)
+	waitState(t, insp, qb, "filler", asynq.TaskStateCompleted, 30*time.Second)
+	mu.Lock()
+	defer mu.Unlock()
+	gap := starts["Y"].Sub(starts["X"])
+	t.Logf("Y started %v after X; F %v after X", gap, starts["F"].Sub(starts["X"]))
+	require.False(t, gap > -limit.Interval() && gap < limit.Interval(),
+		"two tasks started %v apart on a 1/s burst-0 limit: X's booking used again by a task reusing its id", gap)
+}
+
+// TestBookedRecalledBeyondDeadline: a booked task (Timeout 1 min, its slot
+// about 10 s away) is deleted, and a task with the same id, type and
+// payload is enqueued with a Timeout of 3 s. It finds the deleted task's
+// booking, which its deadline cannot reach: it used to sleep towards it
+// until asynq cancelled it, a retry used up because of the limit (found by
+// review). It books again instead, and is refused like any task whose
+// slot is too far: no retry used.
+func TestBookedRecalledBeyondDeadline(t *testing.T) {
+	srvRedis := redistest.Shared(t)
+	srvRedis.RequireReal(t)
+	e := newEnv(t)
+	queue := "q" + e.prefix
+	l := e.limiter(t, throttle.PerSecond(1, 0), reserve.WithMaxWait(100*time.Millisecond))
+	mw, err := asynqadapter.NewMiddleware(l, asynqadapter.WithBookedRetries(e.eng, time.Minute),
+		asynqadapter.WithCheckInterval(time.Second))
+	require.NoError(t, err)
+	server(t, srvRedis.Client(t), queue, 2, mw, func(context.Context, *asynq.Task) error { return nil })
+	client := asynq.NewClientFromRedisClient(srvRedis.Client(t))
+	t.Cleanup(func() { _ = client.Close() })
+	insp := asynq.NewInspectorFromRedisClient(srvRedis.Client(t))
+	fill(t, context.Background(), l, "api:call", 11) // next slot ~10 s away
+	_, err = client.Enqueue(asynq.NewTask("api:call", nil), asynq.Queue(queue), asynq.TaskID("dup"), asynq.Timeout(time.Minute))
+	require.NoError(t, err)
+	ti := waitState(t, insp, queue, "dup", asynq.TaskStateRetry, 10*time.Second)
+	t.Logf("booked: %q", ti.LastErr)
+	require.NoError(t, insp.DeleteTask(queue, "dup"))
+	_, err = client.Enqueue(asynq.NewTask("api:call", nil), asynq.Queue(queue), asynq.TaskID("dup"),
+		asynq.Timeout(3*time.Second), asynq.MaxRetry(5), asynq.Retention(time.Hour))
+	require.NoError(t, err)
+	// Judged once the new task has been refused (sent back) or has failed.
+	end := time.Now().Add(20 * time.Second)
+	for {
+		ti = taskInfo(t, insp, queue, "dup")
+		if ti.Retried > 0 || ti.State == asynq.TaskStateRetry || ti.State == asynq.TaskStateCompleted {
+			break
+		}
+		require.True(t, time.Now().Before(end), "the new task still %v after 20 s", ti.State)
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Logf("new task: state %v, retried %d, last error %q", ti.State, ti.Retried, ti.LastErr)
+	require.Zero(t, ti.Retried, "a retry used up because of the limit")
+}
+
+// TestBookedMemberUnambiguous: queue "Q" with task id "b:dup" and queue
+// "Q:b" with id "dup" were one member of the booking index ("Q:b:dup:0"):
+// the second task found the first's booking and ran at it (found by
+// review). Each now has an entry of its own.
+func TestBookedMemberUnambiguous(t *testing.T) {
+	srvRedis := redistest.Shared(t)
+	srvRedis.RequireReal(t)
+	e := newEnv(t)
+	q1, q2 := "Q"+e.prefix, "Q"+e.prefix+":b"
+	l := e.limiter(t, throttle.PerSecond(1, 0), reserve.WithMaxWait(100*time.Millisecond))
+	mw, err := asynqadapter.NewMiddleware(l, asynqadapter.WithBookedRetries(e.eng, time.Minute),
+		asynqadapter.WithCheckInterval(time.Second))
+	require.NoError(t, err)
+	server(t, srvRedis.Client(t), q1, 2, mw, func(context.Context, *asynq.Task) error { return nil },
+		func(c *asynq.Config) { c.Queues = map[string]int{q1: 1, q2: 1} })
+	client := asynq.NewClientFromRedisClient(srvRedis.Client(t))
+	t.Cleanup(func() { _ = client.Close() })
+	insp := asynq.NewInspectorFromRedisClient(srvRedis.Client(t))
+	fill(t, context.Background(), l, "api:call", 6) // next slot ~5 s away: both are booked ahead
+	_, err = client.Enqueue(asynq.NewTask("api:call", nil), asynq.Queue(q1), asynq.TaskID("b:dup"))
+	require.NoError(t, err)
+	waitState(t, insp, q1, "b:dup", asynq.TaskStateRetry, 10*time.Second)
+	_, err = client.Enqueue(asynq.NewTask("api:call", nil), asynq.Queue(q2), asynq.TaskID("dup"))
+	require.NoError(t, err)
+	end := time.Now().Add(10 * time.Second)
+	var ti *asynq.TaskInfo
+	for {
+		ti = taskInfo(t, insp, q2, "dup")
+		if ti.State != asynq.TaskStatePending {
+			break
+		}
+		require.True(t, time.Now().Before(end), "the second task never taken up")
+		time.Sleep(20 * time.Millisecond)
+	}
+	// Booked and sent back, not run at the other's booking.
+	ti = waitState(t, insp, q2, "dup", asynq.TaskStateRetry, 10*time.Second)
+	require.Contains(t, ti.LastErr, "slot booked in")
+	n, err := redistest.Shared(t).Client(t).ZCard(context.Background(), e.prefix+"tasks:{api:call}:asynq").Result()
+	require.NoError(t, err)
+	require.Equal(t, int64(2), n, "one index entry per task")
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -366,9 +367,12 @@ func TestBookedRetry(t *testing.T) {
 	sentBack := time.Now()
 	// The booking is in the index, under the task's queue, id and retry count.
 	look := redistest.Shared(t).Client(t) // not counted
-	score, err := look.ZScore(context.Background(), e.prefix+"tasks:{api:call}:asynq", queue+":"+info.ID+":0").Result()
+	entries, err := look.ZRangeWithScores(context.Background(), e.prefix+"tasks:{api:call}:asynq", 0, -1).Result()
 	require.NoError(t, err)
-	slot := time.UnixMicro(int64(score))
+	require.Len(t, entries, 1)
+	require.True(t, strings.HasPrefix(entries[0].Member.(string), fmt.Sprintf("%d:%s:%s:0:", len(queue), queue, info.ID)),
+		"the member %q names the queue, the id and the retry count", entries[0].Member)
+	slot := time.UnixMicro(int64(entries[0].Score))
 	require.Greater(t, slot.Sub(sentBack), time.Second, "the slot is seconds away")
 	require.False(t, ti.NextProcessAt.After(slot.Add(-time.Second)), "due a check interval before the slot")
 
