@@ -439,7 +439,7 @@ func newMiddleware(lim *reserve.Limiter, opts ...Option) (*middleware, error) {
 			return nil, errors.New("booked retries: the engine is not the one the limiter books through")
 		}
 		runCap, _ := m.lim.MaxWait()
-		m.booked = newBooked(cfg.booked, runCap)
+		m.booked = newBooked(cfg.booked, runCap, max(m.tolerance, time.Second))
 	}
 	return m, nil
 }

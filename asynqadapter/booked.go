@@ -61,9 +61,11 @@ import (
 // already waiting at the loss for a slot made by their own call (up to
 // about two seconds ahead, as for any reservation granted before a loss),
 // and kept bookings whose slots pass before the process's next booking
-// call for the key (measured at 20/s burst 0, TestBookedStateLoss: at most
-// 21 starts in a second whether the call or the tasks come first after a
-// flush, against 37 and 30 to 32 when kept bookings ran regardless).
+// call for the key (measured at 20/s burst 0 in one process,
+// TestBookedStateLoss: at most 21 starts in a second whether the call or
+// the tasks come first after a flush, against 37 and 30 to 32 when kept
+// bookings ran regardless; with two processes, one that made no call
+// after the flush ran the bookings its waiting tasks had kept: 30 to 31).
 //
 // eng must be the engine lim books through (lim.Engine(); NewMiddleware
 // refuses another, which would book a key the limiter's other paths never
@@ -101,6 +103,11 @@ const (
 type booked struct {
 	bookedConfig
 	runCap time.Duration // the max wait for running now
+	// since: replies list the index's entries whose slots passed at most
+	// this long ago (a booking later than the middleware's tolerance is
+	// booked again, and entries of tasks that never came back would crowd
+	// out those due).
+	since time.Duration
 
 	mu       sync.Mutex                     // guards the fields below
 	due      map[string]map[string]kept     // per subject: member -> its slot
@@ -125,8 +132,8 @@ type kept struct {
 	at, score time.Time
 }
 
-func newBooked(c *bookedConfig, runCap time.Duration) *booked {
-	return &booked{bookedConfig: *c, runCap: runCap, due: map[string]map[string]kept{},
+func newBooked(c *bookedConfig, runCap, since time.Duration) *booked {
+	return &booked{bookedConfig: *c, runCap: runCap, since: since, due: map[string]map[string]kept{},
 		asleep: map[string]map[string]*sleeper{}, inflight: map[string]chan struct{}{}, forget: map[string][]string{},
 		forgotAt: map[string]time.Time{}}
 }
@@ -248,7 +255,7 @@ func (b *booked) leave(subject, self string, rb throttle.RetryBooking, arrived t
 	}
 	keep := b.due[subject]
 	if !failed {
-		drop(keep, b.asleep[subject], rb)
+		drop(keep, b.asleep[subject], rb, b.since)
 		if len(b.asleep[subject]) == 0 {
 			delete(b.asleep, subject)
 		}
@@ -281,16 +288,17 @@ func (b *booked) leave(subject, self string, rb throttle.RetryBooking, arrived t
 // persistence, a flush), where the next bookings start from an empty key.
 // Run here, it would start beside them. Its task books again when it
 // comes back. A task already waiting for such a booking (in asleep) is
-// woken to book again. The reply lists the index's entries up to now+dueWindow, or,
-// if it lists maxDue of them, those up to the latest it lists (an entry
-// at that same score may be left out). Every kept booking was listed by an
-// earlier reply, so its score is on Redis's clock: the comparison needs no
-// conversion between clocks.
-func drop(keep map[string]kept, asleep map[string]*sleeper, rb throttle.RetryBooking) {
+// woken to book again. The reply lists the index's entries from
+// now-since up to now+dueWindow, or, if it lists maxDue of them, those up
+// to the latest it lists (an entry at that same score may be left out).
+// Every kept booking was listed by an earlier reply, so its score is on
+// Redis's clock: the comparison needs no conversion between clocks.
+func drop(keep map[string]kept, asleep map[string]*sleeper, rb throttle.RetryBooking, since time.Duration) {
 	if len(keep)+len(asleep) == 0 || rb.Now.IsZero() {
 		return
 	}
-	covered := func(score time.Time) bool { return !score.After(rb.Now.Add(dueWindow)) }
+	from, to := rb.Now.Add(-since), rb.Now.Add(dueWindow)
+	covered := func(score time.Time) bool { return !score.Before(from) && !score.After(to) }
 	if len(rb.Due) >= maxDue {
 		var last time.Time
 		for _, at := range rb.Due {
@@ -298,7 +306,7 @@ func drop(keep map[string]kept, asleep map[string]*sleeper, rb throttle.RetryBoo
 				last = at
 			}
 		}
-		covered = func(score time.Time) bool { return score.Before(last) }
+		covered = func(score time.Time) bool { return !score.Before(from) && score.Before(last) }
 	}
 	for member, k := range keep {
 		if _, listed := rb.Due[member]; !listed && covered(k.score) {
@@ -372,7 +380,8 @@ func (m *middleware) bookedAttempt(ctx context.Context, key string, t *asynq.Tas
 		return m.refused(ctx, key, deadline.Refuse(bound, budget, 0)), true
 	}
 	rb, err := b.eng.BookRetry(ctx, []string{subject}, m.lim.Limits(), throttle.Request{N: 1, MaxWait: budget},
-		throttle.RetryIndex{Key: subject + ":asynq", Member: member, KeepFrom: max(keep, 0), Window: dueWindow, MaxDue: maxDue, Forget: forget})
+		throttle.RetryIndex{Key: subject + ":asynq", Member: member, KeepFrom: max(keep, 0), Window: dueWindow, MaxDue: maxDue,
+			Since: b.since, Forget: forget})
 	arrived := time.Now()
 	b.leave(subject, member, rb, arrived, forget, err != nil)
 	switch {

@@ -16,7 +16,7 @@ import (
 // limiter key per tenant) the state grew with every key ever booked
 // (found by review).
 func TestBookedPrunesQuietKeys(t *testing.T) {
-	b := newBooked(&bookedConfig{horizon: time.Minute}, 0)
+	b := newBooked(&bookedConfig{horizon: time.Minute}, 0, time.Second)
 	t0 := time.Now()
 	wait, forget := b.enter("quiet")
 	require.Nil(t, wait)

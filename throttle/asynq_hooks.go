@@ -23,9 +23,13 @@ type RetryIndex struct {
 	// the index under Member (its caller will not wait for it now).
 	KeepFrom time.Duration
 	// Window: the reply lists the index's bookings whose slots lie at most
-	// this far ahead (Due), at most MaxDue of them.
+	// this far ahead (Due), at most MaxDue of them, the soonest first, and
+	// if Since is positive only those whose slots passed at most Since ago
+	// (entries of tasks that never came back stay in the index for a
+	// minute after their slots, and would crowd out those due).
 	Window time.Duration
 	MaxDue int
+	Since  time.Duration
 	// Forget lists members to take out of the index (their bookings used).
 	Forget []string
 }
@@ -59,6 +63,7 @@ local idx_key = KEYS[#KEYS]
 local idx_nforget = tonumber(table.remove(ARGV))
 local idx_forget = {}
 for i = 1, idx_nforget do idx_forget[i] = table.remove(ARGV) end
+local idx_since = tonumber(table.remove(ARGV))
 local idx_spent = tonumber(table.remove(ARGV))
 local idx_max = tonumber(table.remove(ARGV))
 local idx_window = tonumber(table.remove(ARGV))
@@ -66,8 +71,10 @@ local idx_keep = tonumber(table.remove(ARGV))
 local idx_member = table.remove(ARGV)
 if #idx_forget > 0 then redis.call('ZREM', idx_key, unpack(idx_forget)) end
 redis.call('ZREMRANGEBYSCORE', idx_key, '-inf', '(' .. string.format('%d', now - idx_spent))
+local idx_from = '-inf'
+if idx_since > 0 then idx_from = string.format('%d', now - idx_since) end
 local function idx_due()
-  return redis.call('ZRANGEBYSCORE', idx_key, '-inf', string.format('%d', now + idx_window), 'WITHSCORES', 'LIMIT', 0, idx_max)
+  return redis.call('ZRANGEBYSCORE', idx_key, idx_from, string.format('%d', now + idx_window), 'WITHSCORES', 'LIMIT', 0, idx_max)
 end
 local idx_have = redis.call('ZSCORE', idx_key, idx_member)
 if idx_have then
@@ -107,7 +114,8 @@ func bookRetryBody() string {
 // if the booking's wait is longer than idx.KeepFrom, records it in the
 // index under idx.Member. Entries are dropped a minute after their slot,
 // when listed in idx.Forget, or when recalled. The reply lists the
-// index's entries due within idx.Window.
+// index's entries due within idx.Window (and passed at most idx.Since
+// ago, if positive).
 func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, req Request, idx RetryIndex) (RetryBooking, error) {
 	if err := checkKeysLimits(keys, limits); err != nil {
 		return RetryBooking{}, err
@@ -117,11 +125,11 @@ func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, r
 			return RetryBooking{}, err
 		}
 	}
-	if idx.Member == "" || strings.ContainsAny(idx.Member, "\x00") || HashTag(idx.Key) != HashTag(keys[0]) || idx.MaxDue < 0 {
-		return RetryBooking{}, fmt.Errorf("%w: retry index %q, member %q: want a member and the rate keys' hash tag", ErrInvalidRequest, idx.Key, idx.Member)
+	if idx.Member == "" || strings.ContainsAny(idx.Member, "\x00") || HashTag(idx.Key) != HashTag(keys[0]) || idx.MaxDue < 0 || idx.Since < 0 {
+		return RetryBooking{}, fmt.Errorf("%w: retry index %q, member %q: want a member, the rate keys' hash tag, and MaxDue and Since not negative", ErrInvalidRequest, idx.Key, idx.Member)
 	}
 	m := len(keys)
-	args := make([]any, 0, 2+2*m+2+6+len(idx.Forget))
+	args := make([]any, 0, 2+2*m+2+7+len(idx.Forget))
 	args = append(args, nowArg(ctx), m)
 	for _, l := range limits {
 		I := l.intervalMicros()
@@ -129,7 +137,7 @@ func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, r
 	}
 	args = append(args, req.N, int64(min(req.MaxWait, MaxHorizon)/time.Microsecond))
 	args = append(args, idx.Member, int64(idx.KeepFrom/time.Microsecond), int64(idx.Window/time.Microsecond), idx.MaxDue,
-		int64(retrySpent/time.Microsecond))
+		int64(retrySpent/time.Microsecond), int64(idx.Since/time.Microsecond))
 	for i := len(idx.Forget) - 1; i >= 0; i-- { // popped from the end
 		args = append(args, idx.Forget[i])
 	}

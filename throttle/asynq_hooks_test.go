@@ -72,3 +72,41 @@ func TestBookRetry(t *testing.T) {
 	}
 	require.Equal(t, before, e.calls.Load(), "no Redis call for bad input")
 }
+
+// TestBookRetrySince: entries of tasks that never came back stay in the
+// index for a minute after their slots and are listed first: with MaxDue
+// of them, a booking due next was left out of the reply, and every task
+// coming back made a call of its own (found by review). With Since the
+// reply lists only entries whose slots passed at most that long ago.
+func TestBookRetrySince(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	lim := throttle.PerSecond(10, 0)
+	keys := []string{"s:{k}"}
+	book := func(now int64, member string, since time.Duration) throttle.RetryBooking {
+		t.Helper()
+		ctx := testhook.WithNow(context.Background(), now)
+		rb, err := e.eng.BookRetry(ctx, keys, []throttle.Limit{lim}, throttle.Request{N: 1, MaxWait: time.Minute},
+			throttle.RetryIndex{Key: "s:{k}:asynq", Member: member, KeepFrom: 50 * time.Millisecond, Window: time.Second, MaxDue: 3, Since: since})
+		require.NoError(t, err)
+		return rb
+	}
+	const t0 = 1_000_000_000
+	for _, m := range []string{"a", "b", "c", "d"} { // b, c, d recorded, their tasks never come back
+		book(t0, m, 0)
+	}
+	later := int64(t0 + 5_000_000) // their slots passed 4.5 s ago or more
+	book(later, "x", 0)            // at once: not recorded
+	rb := book(later, "live", 0)   // 100 ms ahead: recorded
+	require.True(t, rb.Recorded)
+	rb = book(later, "probe", 0)
+	require.NotContains(t, rb.Due, "live", "without Since, the stale entries fill the list (the scene)")
+	rb = book(later, "probe2", time.Second)
+	require.Contains(t, rb.Due, "live", "a booking due next is listed")
+	for _, m := range []string{"b", "c", "d"} {
+		require.NotContains(t, rb.Due, m, "passed more than Since ago")
+	}
+	_, err := e.eng.BookRetry(context.Background(), keys, []throttle.Limit{lim}, throttle.Request{N: 1},
+		throttle.RetryIndex{Key: "s:{k}:asynq", Member: "m", Since: -time.Second})
+	require.ErrorIs(t, err, throttle.ErrInvalidRequest)
+}
