@@ -16,6 +16,17 @@ import (
 	"github.com/slotbook/slotbook/throttle"
 )
 
+// bookedMiddleware is a middleware of l with booked retries on e's engine
+// (a horizon of a minute) and a check interval of a second, as the test
+// servers poll, and opts.
+func bookedMiddleware(t *testing.T, e *env, l *reserve.Limiter, opts ...asynqadapter.Option) asynq.MiddlewareFunc {
+	t.Helper()
+	mw, err := asynqadapter.NewMiddleware(l, append([]asynqadapter.Option{asynqadapter.WithBookedRetries(e.eng, time.Minute),
+		asynqadapter.WithCheckInterval(time.Second)}, opts...)...)
+	require.NoError(t, err)
+	return mw
+}
+
 // TestBookedNoStaleEntryAfterGiveBack: with WithInspector, a task whose
 // slot lies too close to its Deadline is archived (SkipRetry). It used to
 // be booked, then given back, leaving its index entry: another caller
@@ -33,9 +44,7 @@ func TestBookedNoStaleEntryAfterGiveBack(t *testing.T) {
 	l := e.limiter(t, limit, reserve.WithMaxWait(100*time.Millisecond))
 	fill(t, context.Background(), l, "api:call", 8) // next slot ~4 s away
 	insp := asynq.NewInspectorFromRedisClient(srvRedis.Client(t))
-	mw, err := asynqadapter.NewMiddleware(l, asynqadapter.WithBookedRetries(e.eng, time.Minute),
-		asynqadapter.WithCheckInterval(time.Second), asynqadapter.WithInspector(insp))
-	require.NoError(t, err)
+	mw := bookedMiddleware(t, e, l, asynqadapter.WithInspector(insp))
 	var (
 		mu     sync.Mutex
 		starts []time.Time
@@ -119,9 +128,7 @@ func TestBookedSameIDTwoQueues(t *testing.T) {
 		return nil
 	}
 	for _, q := range []string{q1, q2} {
-		mw, err := asynqadapter.NewMiddleware(l, asynqadapter.WithBookedRetries(e.eng, time.Minute),
-			asynqadapter.WithCheckInterval(time.Second))
-		require.NoError(t, err)
+		mw := bookedMiddleware(t, e, l)
 		server(t, srvRedis.Client(t), q, 2, mw, h)
 	}
 	client := asynq.NewClientFromRedisClient(srvRedis.Client(t))
@@ -161,9 +168,7 @@ func TestBookedNearDeadlineRuns(t *testing.T) {
 	queue := "q" + e.prefix
 	l := e.limiter(t, throttle.PerSecond(2, 0), reserve.WithMaxWait(100*time.Millisecond))
 	insp := asynq.NewInspectorFromRedisClient(srvRedis.Client(t))
-	mw, err := asynqadapter.NewMiddleware(l, asynqadapter.WithBookedRetries(e.eng, time.Minute),
-		asynqadapter.WithCheckInterval(time.Second), asynqadapter.WithInspector(insp))
-	require.NoError(t, err)
+	mw := bookedMiddleware(t, e, l, asynqadapter.WithInspector(insp))
 	var (
 		mu     sync.Mutex
 		starts []time.Time
@@ -206,13 +211,7 @@ func TestBookedIDReusedAfterCompletion(t *testing.T) {
 	qa, qb := "qa"+e.prefix, "qb"+e.prefix
 	limit := throttle.PerSecond(1, 0)
 	l := e.limiter(t, limit, reserve.WithMaxWait(100*time.Millisecond))
-	mk := func() asynq.MiddlewareFunc {
-		mw, err := asynqadapter.NewMiddleware(l, asynqadapter.WithBookedRetries(e.eng, time.Minute),
-			asynqadapter.WithCheckInterval(time.Second))
-		require.NoError(t, err)
-		return mw
-	}
-	mw1, mw2 := mk(), mk() // two processes' state, in one asynq server
+	mw1, mw2 := bookedMiddleware(t, e, l), bookedMiddleware(t, e, l) // two processes' state, in one asynq server
 	var (
 		mu     sync.Mutex // guards seen and starts
 		seen   = map[string]bool{}
@@ -291,15 +290,13 @@ func TestBookedRecalledBeyondDeadline(t *testing.T) {
 	e := newEnv(t)
 	queue := "q" + e.prefix
 	l := e.limiter(t, throttle.PerSecond(1, 0), reserve.WithMaxWait(100*time.Millisecond))
-	mw, err := asynqadapter.NewMiddleware(l, asynqadapter.WithBookedRetries(e.eng, time.Minute),
-		asynqadapter.WithCheckInterval(time.Second))
-	require.NoError(t, err)
+	mw := bookedMiddleware(t, e, l)
 	server(t, srvRedis.Client(t), queue, 2, mw, func(context.Context, *asynq.Task) error { return nil })
 	client := asynq.NewClientFromRedisClient(srvRedis.Client(t))
 	t.Cleanup(func() { _ = client.Close() })
 	insp := asynq.NewInspectorFromRedisClient(srvRedis.Client(t))
 	fill(t, context.Background(), l, "api:call", 11) // next slot ~10 s away
-	_, err = client.Enqueue(asynq.NewTask("api:call", nil), asynq.Queue(queue), asynq.TaskID("dup"), asynq.Timeout(time.Minute))
+	_, err := client.Enqueue(asynq.NewTask("api:call", nil), asynq.Queue(queue), asynq.TaskID("dup"), asynq.Timeout(time.Minute))
 	require.NoError(t, err)
 	ti := waitState(t, insp, queue, "dup", asynq.TaskStateRetry, 10*time.Second)
 	t.Logf("booked: %q", ti.LastErr)
@@ -331,16 +328,14 @@ func TestBookedMemberUnambiguous(t *testing.T) {
 	e := newEnv(t)
 	q1, q2 := "Q"+e.prefix, "Q"+e.prefix+":b"
 	l := e.limiter(t, throttle.PerSecond(1, 0), reserve.WithMaxWait(100*time.Millisecond))
-	mw, err := asynqadapter.NewMiddleware(l, asynqadapter.WithBookedRetries(e.eng, time.Minute),
-		asynqadapter.WithCheckInterval(time.Second))
-	require.NoError(t, err)
+	mw := bookedMiddleware(t, e, l)
 	server(t, srvRedis.Client(t), q1, 2, mw, func(context.Context, *asynq.Task) error { return nil },
 		func(c *asynq.Config) { c.Queues = map[string]int{q1: 1, q2: 1} })
 	client := asynq.NewClientFromRedisClient(srvRedis.Client(t))
 	t.Cleanup(func() { _ = client.Close() })
 	insp := asynq.NewInspectorFromRedisClient(srvRedis.Client(t))
 	fill(t, context.Background(), l, "api:call", 6) // next slot ~5 s away: both are booked ahead
-	_, err = client.Enqueue(asynq.NewTask("api:call", nil), asynq.Queue(q1), asynq.TaskID("b:dup"))
+	_, err := client.Enqueue(asynq.NewTask("api:call", nil), asynq.Queue(q1), asynq.TaskID("b:dup"))
 	require.NoError(t, err)
 	waitState(t, insp, q1, "b:dup", asynq.TaskStateRetry, 10*time.Second)
 	_, err = client.Enqueue(asynq.NewTask("api:call", nil), asynq.Queue(q2), asynq.TaskID("dup"))

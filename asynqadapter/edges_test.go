@@ -337,9 +337,7 @@ func TestBookedRetry(t *testing.T) {
 	queue := "q" + e.prefix
 	l := e.limiter(t, throttle.PerSecond(1, 0), reserve.WithMaxWait(100*time.Millisecond))
 	fill(t, context.Background(), l, "api:call", 3) // next slot ~3 s away
-	mw, err := asynqadapter.NewMiddleware(l, asynqadapter.WithBookedRetries(e.eng, time.Minute),
-		asynqadapter.WithCheckInterval(time.Second))
-	require.NoError(t, err)
+	mw := bookedMiddleware(t, e, l)
 	var (
 		mu     sync.Mutex // guards starts
 		starts = map[string]time.Time{}
@@ -355,7 +353,7 @@ func TestBookedRetry(t *testing.T) {
 	insp := asynq.NewInspectorFromRedisClient(srvRedis.Client(t))
 	// Send the script to Redis first (go-redis's EVALSHA, NOSCRIPT, EVAL),
 	// so that the count below is of the task's calls alone.
-	_, err = e.eng.BookRetry(context.Background(), []string{"warm:{up}"}, []throttle.Limit{throttle.PerSecond(1, 0)},
+	_, err := e.eng.BookRetry(context.Background(), []string{"warm:{up}"}, []throttle.Limit{throttle.PerSecond(1, 0)},
 		throttle.Request{N: 1}, throttle.RetryIndex{Key: "warm:{up}:asynq", Member: "m"})
 	require.NoError(t, err)
 	before := e.calls.Load()
