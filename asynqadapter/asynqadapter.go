@@ -57,8 +57,9 @@
 // within a horizon and its deadline) has that slot booked in the same
 // call, and is retried at it: asynq brings it back one check interval
 // before the slot (whole seconds, rounded down) and the handler sleeps the
-// rest. The booking is kept in the limiter's Redis under the task's id, so
-// the task runs at it on whichever server takes it, without booking again;
+// rest. The booking is kept in the limiter's Redis under the task's queue,
+// id, retry count and a hash of its type and payload, so the task runs at
+// it on whichever server takes it, without booking again;
 // the process keeps the bookings due in the next two seconds from each
 // reply, so most returning tasks make no call at all. The max wait then
 // only bounds how long a handler holds a worker. Set asynq's

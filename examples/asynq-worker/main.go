@@ -132,7 +132,7 @@ func start(rdb *redis.Client, queue string, out io.Writer) (*asynq.Server, <-cha
 	mw, err := asynqadapter.NewMiddleware(lim,
 		asynqadapter.WithWorkEstimate(100*time.Millisecond), // the slot leaves the handler this long before its timeout
 		asynqadapter.WithBookedRetries(eng, time.Minute),    // a task sent back keeps the slot booked for it
-		asynqadapter.WithCheckInterval(time.Second))         // the DelayedTaskCheckInterval below
+		asynqadapter.WithCheckInterval(time.Second))         // the DelayedTaskCheckInterval above
 	if err != nil {
 		return nil, nil, err
 	}
