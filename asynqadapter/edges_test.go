@@ -386,3 +386,75 @@ func TestBookedRetry(t *testing.T) {
 	require.NoError(t, err)
 	require.Zero(t, n, "the booking was taken out when found")
 }
+
+// TestBookedHorizon: a slot beyond the horizon is not booked ahead: the
+// task is refused as without booked retries (nothing booked, no index
+// entry), and runs once its slot comes within reach.
+func TestBookedHorizon(t *testing.T) {
+	t.Parallel()
+	srvRedis := redistest.Shared(t)
+	srvRedis.RequireReal(t)
+	e := newEnv(t)
+	queue := "q" + e.prefix
+	l := e.limiter(t, throttle.PerSecond(1, 0), reserve.WithMaxWait(100*time.Millisecond))
+	mw, err := asynqadapter.NewMiddleware(l, asynqadapter.WithBookedRetries(e.eng, 2*time.Second),
+		asynqadapter.WithCheckInterval(time.Second))
+	require.NoError(t, err)
+	server(t, srvRedis.Client(t), queue, 2, mw, func(context.Context, *asynq.Task) error { return nil })
+	client := asynq.NewClientFromRedisClient(srvRedis.Client(t))
+	t.Cleanup(func() { _ = client.Close() })
+	insp := asynq.NewInspectorFromRedisClient(srvRedis.Client(t))
+	fill(t, context.Background(), l, "api:call", 5) // next slot ~4 s away: beyond the 2 s horizon
+	info, err := client.Enqueue(asynq.NewTask("api:call", nil), asynq.Queue(queue), asynq.Retention(time.Hour))
+	require.NoError(t, err)
+	ti := waitState(t, insp, queue, info.ID, asynq.TaskStateRetry, 10*time.Second)
+	t.Logf("refused: %q", ti.LastErr)
+	require.Zero(t, ti.Retried)
+	require.NotContains(t, ti.LastErr, "slot booked in", "nothing booked beyond the horizon")
+	n, err := redistest.Shared(t).Client(t).ZCard(context.Background(), e.prefix+"tasks:{api:call}:asynq").Result()
+	require.NoError(t, err)
+	require.Zero(t, n, "no index entry")
+	ti = waitState(t, insp, queue, info.ID, asynq.TaskStateCompleted, 30*time.Second)
+	require.Zero(t, ti.Retried)
+}
+
+// TestBookedLateReturnBooksAgain: a booked task that comes back more than
+// one interval after its slot (its queue paused here, as when every
+// worker is busy) does not run at once on the spent slot, which would
+// start it on top of the slots booked since: it finds its booking (one
+// call), and books again (a second).
+func TestBookedLateReturnBooksAgain(t *testing.T) {
+	t.Parallel()
+	srvRedis := redistest.Shared(t)
+	srvRedis.RequireReal(t)
+	e := newEnv(t)
+	queue := "q" + e.prefix
+	l := e.limiter(t, throttle.PerSecond(2, 0), reserve.WithMaxWait(100*time.Millisecond))
+	mw := bookedMiddleware(t, e, l)
+	started := make(chan time.Time, 1)
+	server(t, srvRedis.Client(t), queue, 2, mw, func(context.Context, *asynq.Task) error {
+		started <- time.Now()
+		return nil
+	})
+	client := asynq.NewClientFromRedisClient(srvRedis.Client(t))
+	t.Cleanup(func() { _ = client.Close() })
+	insp := asynq.NewInspectorFromRedisClient(srvRedis.Client(t))
+	fill(t, context.Background(), l, "api:call", 4) // next slot ~1.5 s away
+	info, err := client.Enqueue(asynq.NewTask("api:call", nil), asynq.Queue(queue), asynq.Retention(time.Hour))
+	require.NoError(t, err)
+	waitState(t, insp, queue, info.ID, asynq.TaskStateRetry, 10*time.Second)
+	require.NoError(t, insp.PauseQueue(queue))
+	look := redistest.Shared(t).Client(t) // not counted
+	entries, err := look.ZRangeWithScores(context.Background(), e.prefix+"tasks:{api:call}:asynq", 0, -1).Result()
+	require.NoError(t, err)
+	require.Len(t, entries, 1)
+	slot := time.UnixMicro(int64(entries[0].Score))
+	time.Sleep(time.Until(slot.Add(2 * time.Second))) // four intervals late
+	before := e.calls.Load()
+	require.NoError(t, insp.UnpauseQueue(queue))
+	at := <-started
+	require.Greater(t, at.Sub(slot), 2*time.Second, "ran after the queue resumed")
+	require.Equal(t, int64(2), e.calls.Load()-before, "one call finds the spent booking, one books again")
+	ti := waitState(t, insp, queue, info.ID, asynq.TaskStateCompleted, 10*time.Second)
+	require.Zero(t, ti.Retried)
+}

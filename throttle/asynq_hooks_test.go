@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/internal/testhook"
@@ -66,6 +67,8 @@ func TestBookRetry(t *testing.T) {
 	for name, bad := range map[string]throttle.RetryIndex{
 		"no member":      {Key: "r:{k}:asynq"},
 		"other hash tag": {Key: "r:{other}:asynq", Member: "m"},
+		"negative since": {Key: "r:{k}:asynq", Member: "m", Since: -time.Second},
+		"negative max":   {Key: "r:{k}:asynq", Member: "m", MaxDue: -1},
 	} {
 		_, err := e.eng.BookRetry(ctx, keys, []throttle.Limit{lim}, throttle.Request{N: 1}, bad)
 		require.ErrorIs(t, err, throttle.ErrInvalidRequest, name)
@@ -106,7 +109,36 @@ func TestBookRetrySince(t *testing.T) {
 	for _, m := range []string{"b", "c", "d"} {
 		require.NotContains(t, rb.Due, m, "passed more than Since ago")
 	}
-	_, err := e.eng.BookRetry(context.Background(), keys, []throttle.Limit{lim}, throttle.Request{N: 1},
-		throttle.RetryIndex{Key: "s:{k}:asynq", Member: "m", Since: -time.Second})
-	require.ErrorIs(t, err, throttle.ErrInvalidRequest)
+}
+
+// TestBookRetrySpent: the entry of a booking whose task never comes back
+// (deleted, archived) is dropped a minute after its slot, and the index
+// key itself expires: the index never keeps a booking for ever.
+func TestBookRetrySpent(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	lim := throttle.PerSecond(10, 0)
+	keys := []string{"p:{k}"}
+	book := func(now int64, member string) throttle.RetryBooking {
+		t.Helper()
+		ctx := testhook.WithNow(context.Background(), now)
+		rb, err := e.eng.BookRetry(ctx, keys, []throttle.Limit{lim}, throttle.Request{N: 1, MaxWait: time.Minute},
+			throttle.RetryIndex{Key: "p:{k}:asynq", Member: member, KeepFrom: 50 * time.Millisecond, Window: time.Second, MaxDue: 10})
+		require.NoError(t, err)
+		return rb
+	}
+	const t0 = 1_000_000_000
+	book(t0, "a")          // at once
+	rb := book(t0, "gone") // 100 ms ahead: recorded; its task never comes back
+	require.True(t, rb.Recorded)
+	ttl, err := e.rdb.PTTL(context.Background(), e.prefix+"p:{k}:asynq").Result()
+	require.NoError(t, err)
+	require.Positive(t, ttl, "the index key expires")
+	require.LessOrEqual(t, ttl, time.Minute+3*time.Second, "about a minute after its last slot")
+
+	rb = book(t0+100_000+59_000_000, "b") // 59 s after the slot: still held
+	require.Contains(t, rb.Due, "gone")
+	book(t0+100_000+61_000_000, "c") // 61 s after: dropped
+	_, err = e.rdb.ZScore(context.Background(), e.prefix+"p:{k}:asynq", "gone").Result()
+	require.ErrorIs(t, err, redis.Nil, "the spent entry is dropped")
 }
