@@ -61,14 +61,33 @@ func TestBookedNoStaleEntryAfterGiveBack(t *testing.T) {
 	info, err := client.Enqueue(asynq.NewTask("api:call", nil), asynq.Queue(queue), asynq.Retention(time.Hour),
 		asynq.Deadline(time.Now().Add(4500*time.Millisecond)))
 	require.NoError(t, err)
-	ti := waitState(t, insp, queue, info.ID, asynq.TaskStateArchived, 30*time.Second)
-	t.Logf("archived: retried %d, last error %q", ti.Retried, ti.LastErr)
+	// asynq may take the task up late enough (its idle workers poll once a
+	// second) that, sent back, it can wait for its slot in the handler
+	// before the deadline: it then runs at it, and the scene below (an
+	// archived task run by hand) does not arise. Either way no index entry
+	// is left.
+	var ti *asynq.TaskInfo
+	end := time.Now().Add(30 * time.Second)
+	for {
+		ti = taskInfo(t, insp, queue, info.ID)
+		if ti.State == asynq.TaskStateArchived || ti.State == asynq.TaskStateCompleted {
+			break
+		}
+		require.True(t, time.Now().Before(end), "task still %v after 30 s (last error %q)", ti.State, ti.LastErr)
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Logf("%v: retried %d, last error %q", ti.State, ti.Retried, ti.LastErr)
 	look := redistest.Shared(t).Client(t)
 	idx := e.prefix + "tasks:{api:call}:asynq"
 	members, err := look.ZRangeWithScores(context.Background(), idx, 0, -1).Result()
 	require.NoError(t, err)
-	t.Logf("index after the archive: %v", members)
-	require.Empty(t, members, "no booking kept for the archived task")
+	t.Logf("index after the task ended: %v", members)
+	require.Empty(t, members, "no booking kept for the task")
+	if ti.State == asynq.TaskStateCompleted {
+		require.Zero(t, ti.Retried)
+		t.Log("the task ran at its slot before its deadline (taken up late): no archived task to run again")
+		return
+	}
 
 	// Another caller books the next slot: the one given back.
 	patient, err := l.With(reserve.WithoutMaxWait())
