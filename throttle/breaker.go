@@ -114,7 +114,7 @@ func (bs *breakers) state() (open bool, probeIn time.Duration) {
 	defer bs.mu.Unlock()
 	bs.nodes.Range(func(_, v any) bool {
 		if b := v.(*breaker); b.open.Load() {
-			in := max(0, time.Until(b.next))
+			in := bs.probeInLocked(b)
 			if !open || in < probeIn {
 				probeIn = in
 			}
@@ -123,6 +123,19 @@ func (bs *breakers) state() (open bool, probeIn time.Duration) {
 		return true
 	})
 	return open, probeIn
+}
+
+// probeInLocked returns how long until the next probe of b, open, may go:
+// while a probe is under way, at least the shortest probe interval (the
+// soonest the next could follow it, should it fail), never 0, which would
+// send a caller told to come back then (FailClosed's retry-after) round
+// again at once. Call with bs.mu held.
+func (bs *breakers) probeInLocked(b *breaker) time.Duration {
+	in := max(0, time.Until(b.next))
+	if b.probing {
+		in = max(in, bs.min)
+	}
+	return in
 }
 
 // stateOf reports whether node's breaker is open and how long until its
@@ -138,7 +151,7 @@ func (bs *breakers) stateOf(node string) (open bool, probeIn time.Duration) {
 	if !b.open.Load() {
 		return false, 0
 	}
-	return true, max(0, time.Until(b.next))
+	return true, bs.probeInLocked(b)
 }
 
 // failure records a call to node, sent at start, that failed as if Redis

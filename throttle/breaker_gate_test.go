@@ -127,3 +127,40 @@ func TestLateFailureKeepsProbeTime(t *testing.T) {
 	t.Logf("the next probe moved by %v (the late failure came %v after the first)", moved, gap)
 	require.Less(t, moved.Abs(), gap/2, "a failure while the breaker was open put the next probe off")
 }
+
+// TestProbeUnderWayNotDue: while the probe of an open breaker is under way
+// (a stopped server: it waits out four timeouts), Unavailable and
+// UnavailableFor say the next probe is at least the shortest probe
+// interval away. They said 0 (the probe was due when it left), and
+// FailClosed's retry-after then sent callers round again at once (found
+// by review).
+func TestProbeUnderWayNotDue(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	const timeout, probeMin = 250 * time.Millisecond, 25 * time.Millisecond
+	rdb := srv.Client(t)
+	sent := callcount.Attach(rdb)
+	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(timeout),
+		throttle.WithProbeBackoff(probeMin, probeMin))
+	require.NoError(t, err)
+	ctx := context.Background()
+	lim := throttle.PerSecond(1000, 1000)
+	redistest.UntilOK(t, func() error { _, err := eng.Allow(ctx, "k", lim); return err })
+	require.NoError(t, syscall.Kill(srv.Pid(), syscall.SIGSTOP))
+	t.Cleanup(func() { _ = syscall.Kill(srv.Pid(), syscall.SIGCONT) })
+	_, err = eng.Allow(ctx, "k", lim) // times out: the breaker opens
+	require.ErrorIs(t, err, throttle.ErrUnavailable)
+	time.Sleep(2 * probeMin) // the probe is due
+	before := sent.Load()
+	probed := make(chan error, 1)
+	go func() { _, err := eng.Allow(ctx, "k", lim); probed <- err }() // the probe: up to four timeouts
+	require.Eventually(t, func() bool { return sent.Load() > before }, 10*time.Second, time.Millisecond, "the probe sent")
+	open, in := eng.Unavailable()
+	openFor, inFor := eng.UnavailableFor(ctx, "k")
+	t.Logf("while the probe is under way: Unavailable %v %v, UnavailableFor %v %v", open, in, openFor, inFor)
+	require.True(t, open)
+	require.True(t, openFor)
+	require.GreaterOrEqual(t, in, probeMin)
+	require.GreaterOrEqual(t, inFor, probeMin)
+	require.ErrorIs(t, <-probed, throttle.ErrUnavailable)
+}

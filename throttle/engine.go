@@ -369,8 +369,9 @@ func contextTimeouts(rdb redis.Scripter) bool {
 func (e *Engine) Observer() Observer { return e.observer }
 
 // Unavailable reports whether calls are failing fast because Redis is
-// unavailable, and if so how long until the next probe. The engine keeps
-// one breaker per Redis node (per master of a Cluster): Unavailable
+// unavailable, and if so how long until the next probe (while a probe is
+// under way, at least the shortest probe interval: never 0). The engine
+// keeps one breaker per Redis node (per master of a Cluster): Unavailable
 // reports whether any is open, and the soonest probe; UnavailableFor
 // reports on the node of one key. With a Cluster, while a breaker is
 // open a call reads the cluster's slot map at most once per the longest
