@@ -259,9 +259,9 @@ func (bs *breakers) changed(node string, open bool) {
 
 // retire closes every open breaker whose node stale reports that no call
 // maps to any more: a Cluster master whose slots a failover or a
-// resharding gave to other nodes, or the pseudo-node "cluster" once the
-// slot map can be read. No probe could close such a breaker, since no call
-// goes to its node. The observer is told of each closing, in order, as of
+// resharding gave to other nodes. No probe could close such a breaker,
+// since no call goes to its node. (The pseudo-node "cluster" is closed as
+// any node is, by a success: reading the slot map.) The observer is told of each closing, in order, as of
 // any other (see changed). retire returns the nodes whose breakers it
 // closed. A call to such a node still under way may open its breaker
 // again when it fails; the next retire closes it.
@@ -303,14 +303,11 @@ var ErrCorruptState = errors.New("throttle: corrupt stored state")
 // no effect: a failed dial, no connection to be had from the client's pool,
 // or a server that answered it is loading, down or busy.
 func notSent(err error) bool {
+	// A failed dial sent nothing; after a failed write the command was not
+	// written whole, and go-redis closes the connection: Redis never ran
+	// it. (The engine sends one command per call, and never retries one.)
 	var op *net.OpError
-	if errors.As(err, &op) && op.Op == "dial" {
-		return true
-	}
-	if errors.As(err, &op) && op.Op == "write" {
-		// The command was not written whole, and go-redis closes the
-		// connection after a failed write: Redis never ran it. (The
-		// engine sends one command per call, and never retries one.)
+	if errors.As(err, &op) && (op.Op == "dial" || op.Op == "write") {
 		return true
 	}
 	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, redis.ErrPoolTimeout) ||

@@ -466,7 +466,7 @@ func (e *Engine) lookup(ctx context.Context, key string, now time.Time, mayProbe
 		return e.unread, false, fmt.Errorf("%w: %w", ErrUnavailable, err)
 	}
 	if e.unread.b.open.Load() {
-		e.breakers.retire(func(node string) bool { return node == unreadNode })
+		e.breakers.successB(e.unread.b, time.Now()) // the map was read
 	}
 	r = e.ref(m.Options().Addr)
 	slot.Store(&slotEntry{ref: r, at: mono})

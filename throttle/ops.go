@@ -313,22 +313,22 @@ func (e *Engine) runReply(ctx context.Context, s *script, keys []string, args []
 		full[i] = e.prefix + k
 	}
 	now := time.Now()
-	ref, cached, probeErr := e.nodeFor(ctx, full[0], now)
-	if probeErr != nil { // the call was the probe of an unreadable slot map
-		e.observer.ObserveCall(label(keys[0]), time.Since(now), probeErr)
-		return nil, probeErr
-	}
-	ok, probe := e.breakers.allowB(ref.b) // before the gate: fail fast without queueing
-	if !ok && cached {
-		// The slot may have moved off the node since it was cached: look
-		// again before failing fast.
-		e.forgetSlot(full[0])
-		ref, cached, probeErr = e.nodeFor(ctx, full[0], now)
-		if probeErr != nil {
-			e.observer.ObserveCall(label(keys[0]), time.Since(now), probeErr)
-			return nil, probeErr
+	ref, cached, err := e.nodeFor(ctx, full[0], now)
+	var ok, probe bool
+	if err == nil {
+		ok, probe = e.breakers.allowB(ref.b) // before the gate: fail fast without queueing
+		if !ok && cached {
+			// The slot may have moved off the node since it was cached:
+			// look again before failing fast.
+			e.forgetSlot(full[0])
+			if ref, cached, err = e.nodeFor(ctx, full[0], now); err == nil {
+				ok, probe = e.breakers.allowB(ref.b)
+			}
 		}
-		ok, probe = e.breakers.allowB(ref.b)
+	}
+	if err != nil { // the call was the probe of an unreadable slot map, and failed
+		e.observer.ObserveCall(label(keys[0]), time.Since(now), err)
+		return nil, err
 	}
 	if e.cluster != nil && !cached {
 		now = time.Now() // the lookup may have read the cluster's slot map
