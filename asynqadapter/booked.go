@@ -208,21 +208,29 @@ func (b *booked) prune(now time.Time) {
 		return
 	}
 	b.pruned = now
-	for subject, keep := range b.due {
-		for member, k := range keep {
-			if now.Sub(k.at) > cacheKeep {
-				delete(keep, member)
-			}
-		}
-		if len(keep) == 0 {
-			delete(b.due, subject)
-		}
+	for subject := range b.due {
+		b.pruneKept(subject, now)
 	}
 	for subject, at := range b.forgotAt {
 		if _, busy := b.inflight[subject]; !busy && now.Sub(at) > cacheKeep {
 			delete(b.forget, subject)
 			delete(b.forgotAt, subject)
 		}
+	}
+}
+
+// pruneKept drops subject's kept bookings whose slot passed more than
+// cacheKeep before now, and subject's entry once none is left. Call with
+// b.mu held.
+func (b *booked) pruneKept(subject string, now time.Time) {
+	keep := b.due[subject]
+	for member, k := range keep {
+		if now.Sub(k.at) > cacheKeep {
+			delete(keep, member)
+		}
+	}
+	if len(keep) == 0 {
+		delete(b.due, subject)
 	}
 }
 
@@ -247,11 +255,10 @@ func (b *booked) enter(subject string) (wait chan struct{}, forget []string) {
 func (b *booked) leave(subject, self string, rb throttle.RetryBooking, arrived time.Time, forget []string, failed bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if failed && len(forget) > 0 {
-		if len(b.forget[subject]) == 0 {
-			b.forgotAt[subject] = arrived
+	if failed {
+		for _, member := range forget {
+			b.addForget(subject, member)
 		}
-		b.forget[subject] = append(b.forget[subject], forget...)
 	}
 	keep := b.due[subject]
 	if !failed {
@@ -269,14 +276,7 @@ func (b *booked) leave(subject, self string, rb throttle.RetryBooking, arrived t
 			keep[member] = kept{at: arrived.Add(at.Sub(rb.Now)), score: at}
 		}
 	}
-	for member, k := range keep {
-		if arrived.Sub(k.at) > cacheKeep {
-			delete(keep, member)
-		}
-	}
-	if len(keep) == 0 {
-		delete(b.due, subject)
-	}
+	b.pruneKept(subject, arrived)
 	close(b.inflight[subject])
 	delete(b.inflight, subject)
 	b.prune(arrived)
