@@ -137,7 +137,7 @@ func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, r
 	}
 	args = append(args, req.N, int64(min(req.MaxWait, MaxHorizon)/time.Microsecond))
 	args = append(args, idx.Member, int64(idx.KeepFrom/time.Microsecond), int64(idx.Window/time.Microsecond), idx.MaxDue,
-		int64(retrySpent/time.Microsecond), int64(idx.Since/time.Microsecond))
+		int64(retrySpent/time.Microsecond), int64((idx.Since+time.Microsecond-1)/time.Microsecond)) // Since rounded up: a positive one stays positive
 	for i := len(idx.Forget) - 1; i >= 0; i-- { // popped from the end
 		args = append(args, idx.Forget[i])
 	}
