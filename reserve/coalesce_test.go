@@ -102,6 +102,7 @@ func TestCoalescingCancelledWhileQueued(t *testing.T) {
 	// One a minute: the key outlives the test in real time whatever the
 	// explicit clock says.
 	l := e.limiter(t, throttle.PerMinute(1, 0))
+	reserve.SetSoloBelow(l, 1) // b and c queue behind a's call
 	base := testhook.WithNow(context.Background(), time.Now().UnixMicro())
 	require.NoError(t, e.eng.Load(base))
 	g.armed.Store(true)
@@ -143,6 +144,7 @@ func TestCoalescingCancelledInFlight(t *testing.T) {
 	e := newEnv(t)
 	g := newGate(e.rdb)
 	l := e.limiter(t, throttle.PerMinute(1, 0))
+	reserve.SetSoloBelow(l, 1) // b and c queue behind a's call
 	base := testhook.WithNow(context.Background(), time.Now().UnixMicro())
 	require.NoError(t, e.eng.Load(base))
 	g.armed.Store(true)
@@ -167,6 +169,40 @@ func TestCoalescingCancelledInFlight(t *testing.T) {
 	require.Equal(t, time.Minute, r.Booking().Wait, "b's slot was given back")
 }
 
+// TestCoalescingFewCallersSendAlone: while a call is in flight for a key,
+// a caller that finds fewer than four callers of the key sends its request
+// at once, alone, rather than waiting a round trip behind the call in
+// flight; the fifth queues, and its batch goes when a call returns.
+func TestCoalescingFewCallersSendAlone(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	g := newGate(e.rdb)
+	l := e.limiter(t, throttle.PerSecond(1000, 100))
+	ctx := context.Background()
+	require.NoError(t, e.eng.Load(ctx))
+	g.armed.Store(true)
+	errs := make(chan error, 5)
+	reserveOne := func() { _, err := l.Reserve(ctx, "k"); errs <- err }
+	go reserveOne()
+	<-g.entered // the first call in flight
+	for i := 0; i < 3; i++ {
+		go reserveOne()
+		select {
+		case <-g.entered: // sent alone, beside the first
+		case <-time.After(5 * time.Second):
+			t.Fatalf("caller %d of 4 did not send its own call while the first was in flight (queued: %d)", i+2, reserve.QueueLen(l, "k"))
+		}
+	}
+	go reserveOne()
+	require.Eventually(t, func() bool { return reserve.QueueLen(l, "k") == 1 }, 5*time.Second, time.Millisecond, "the fifth queues")
+	g.armed.Store(false)
+	close(g.release)
+	for i := 0; i < 5; i++ {
+		require.NoError(t, <-errs)
+	}
+	require.Zero(t, reserve.QueueLen(l, "k"))
+}
+
 // TestCoalescingQueueBounded: past the queue bound, callers make calls of
 // their own instead of queueing, so memory stays bounded.
 func TestCoalescingQueueBounded(t *testing.T) {
@@ -175,6 +211,7 @@ func TestCoalescingQueueBounded(t *testing.T) {
 	g := newGate(e.rdb)
 	l := e.limiter(t, throttle.PerSecond(1000, 100))
 	reserve.SetMaxQueue(l, 2)
+	reserve.SetSoloBelow(l, 1)
 	ctx := context.Background()
 	require.NoError(t, e.eng.Load(ctx))
 	g.armed.Store(true)
@@ -223,6 +260,7 @@ func TestCoalescingObserverPanic(t *testing.T) {
 	require.NoError(t, err)
 	l, err := reserve.New(eng, "api", throttle.PerSecond(1000, 100))
 	require.NoError(t, err)
+	reserve.SetSoloBelow(l, 1)
 	ctx := context.Background()
 	require.NoError(t, eng.Load(ctx))
 

@@ -5,6 +5,10 @@ package reserve
 // SetMaxQueue sets how many callers may queue for one key of l.
 func SetMaxQueue(l *Limiter, n int) { l.maxQueue = n }
 
+// SetSoloBelow sets how few callers of a key of l send alone while a call
+// is in flight (1: none do; callers queue behind any call in flight).
+func SetSoloBelow(l *Limiter, n int) { l.soloBelow = n }
+
 // QueueLen returns how many callers are queued for subject key of l.
 func QueueLen(l *Limiter, key string) int {
 	k, _ := l.engineKey(key)

@@ -48,10 +48,12 @@ type Limiter struct {
 
 	fallback *fallback // nil: Redis failures are errors
 
-	coalesce bool
-	maxQueue int
-	mu       sync.Mutex        // guards queues
-	queues   map[string]*queue // per engine key, while a call is in flight
+	coalesce  bool
+	maxQueue  int
+	soloBelow int
+	mu        sync.Mutex        // guards queues and callers
+	queues    map[string]*queue // per engine key, while a call is in flight
+	callers   map[string]int    // per engine key, callers in coalesced
 }
 
 // An Option configures a Limiter in New.
@@ -127,8 +129,9 @@ func WithWorkEstimate(d time.Duration) Option {
 }
 
 // WithCoalescing turns the sharing of Redis calls between concurrent
-// callers for one key on (the default) or off. Off, every ReserveN makes a
-// Redis call of its own.
+// callers for one key on (the default) or off. On, up to three callers of a
+// key send calls of their own beside the one in flight; more queue and share
+// the next call. Off, every ReserveN makes a Redis call of its own.
 func WithCoalescing(on bool) Option {
 	return func(l *Limiter) error {
 		l.coalesce = on
@@ -150,7 +153,8 @@ func New(eng *throttle.Engine, name string, limit throttle.Limit, opts ...Option
 	}
 	l := &Limiter{
 		eng: eng, name: name, limit: limit, limits: []throttle.Limit{limit}, maxWait: deadline.NoCap, clock: realClock{},
-		coalesce: true, maxQueue: defaultMaxQueue, queues: make(map[string]*queue),
+		coalesce: true, maxQueue: defaultMaxQueue, soloBelow: soloBelow,
+		queues: make(map[string]*queue), callers: make(map[string]int),
 	}
 	for _, opt := range opts {
 		if err := opt(l); err != nil {
@@ -286,8 +290,9 @@ func (l *Limiter) Reserve(ctx context.Context, key string) (*Reservation, error)
 // input (no Redis call made), a done context, or a Redis failure.
 //
 // Concurrent calls for the same key share Redis calls (see WithCoalescing):
-// a caller alone is sent at once; callers arriving while a call is in
-// flight go together in the next one, each judged on its own budget.
+// a caller alone, or one of fewer than four callers of the key, is sent at
+// once; more callers arriving while a call is in flight go together in the
+// next one, each judged on its own budget.
 func (l *Limiter) ReserveN(ctx context.Context, key string, n int) (*Reservation, error) {
 	k, err := l.engineKey(key)
 	if err != nil {
