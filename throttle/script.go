@@ -22,9 +22,16 @@ import (
 type script struct {
 	*redis.Script
 	src string
+	// hash and body are Hash() and src as command arguments, boxed once:
+	// a string put in an []any on every call would cost an allocation.
+	hash, body any
 }
 
-func newScript(src string) *script { return &script{Script: redis.NewScript(src), src: src} }
+func newScript(src string) *script {
+	s := &script{Script: redis.NewScript(src), src: src}
+	s.hash, s.body = s.Hash(), src
+	return s
+}
 
 // processor is what go-redis's clients (Client, ClusterClient, Ring) offer
 // beyond Scripter: sending a command of the caller's making.
@@ -44,15 +51,16 @@ func (s *script) run(ctx context.Context, rdb redis.Scripter, keys []string, arg
 	if !ok {
 		return s.Run(ctx, rdb, keys, args...).Result()
 	}
-	cmd := s.cmd(ctx, "evalsha", s.Hash(), keys, args)
-	if err := p.Process(ctx, cmd); redis.HasErrorPrefix(err, "NOSCRIPT") {
-		cmd = s.cmd(ctx, "eval", s.src, keys, args)
+	cmd := s.cmd(ctx, "evalsha", s.hash, keys, args)
+	// HasErrorPrefix(nil, ...) allocates: look only at an error.
+	if err := p.Process(ctx, cmd); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+		cmd = s.cmd(ctx, "eval", s.body, keys, args)
 		_ = p.Process(ctx, cmd)
 	}
 	return cmd.Result()
 }
 
-func (s *script) cmd(ctx context.Context, name, body string, keys []string, args []any) onceCmd {
+func (s *script) cmd(ctx context.Context, name, body any, keys []string, args []any) onceCmd {
 	a := make([]any, 0, 3+len(keys)+len(args))
 	a = append(a, name, body, len(keys))
 	for _, k := range keys {
