@@ -35,7 +35,8 @@ for i = 1, m do
   first[i] = t
 end
 
-local out = {now}
+-- k counts out's values: out[#out + 1] would search for the end each time.
+local out, k = {now}, 1
 for r = 3 + 2 * m, #ARGV, 2 do
   local n = ARGV[r] + 0
   local maxwait = ARGV[r + 1] + 0
@@ -46,9 +47,13 @@ for r = 3 + 2 * m, #ARGV, 2 do
   end
   local wait = slot - now
   local booked = wait <= maxwait
-  out[#out + 1] = booked and 1 or 0
-  out[#out + 1] = wait
-  for i = 1, m do out[#out + 1] = tat[i] end
+  out[k + 1] = booked and 1 or 0
+  out[k + 2] = wait
+  k = k + 2
+  for i = 1, m do
+    k = k + 1
+    out[k] = tat[i]
+  end
   if booked then
     for i = 1, m do
       if slot > tat[i] then tat[i] = slot end
