@@ -37,7 +37,7 @@ func TestSmallRun(t *testing.T) {
 	var rep Report
 	require.NoError(t, json.Unmarshal(stdout.Bytes(), &rep))
 	require.Len(t, rep.Memory, 5)
-	require.Len(t, rep.Latency, 8) // with the lease row (lease.go)
+	require.Len(t, rep.Latency, 9) // with the lease row (lease.go) and three references
 	require.Len(t, rep.Contention, 3)
 	require.True(t, rep.FreshServers)
 	require.NotEmpty(t, rep.Redis)
