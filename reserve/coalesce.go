@@ -9,11 +9,11 @@ import (
 
 // Coalescing (group commit): at most one batch call per key is in flight
 // from a Limiter. A caller that finds none in flight sends its request at
-// once, alone. So does a caller that finds fewer than soloBelow callers of
-// its key in the Limiter (in flight or queued): with so few, waiting a
-// round trip for the call in flight costs more time than the calls saved
-// are worth, and Redis is asked at most soloBelow calls at once for the
-// key. Callers that arrive while more are about queue; when the call returns,
+// once, alone. So does a caller that finds fewer than soloBelow other
+// callers of its key in the Limiter (in flight or queued): with so few,
+// waiting a round trip for the call in flight costs more time than the
+// calls saved are worth. Callers that arrive while more are about queue
+// (up to maxQueue of them); when the call returns,
 // its sender names the first of them the next leader and wakes it, after
 // the batch's own callers. The leader takes whatever has queued by the
 // time it runs, itself first (up to throttle.MaxBatch), sends it as one
@@ -70,8 +70,7 @@ func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
 	q, busy := l.queues[key]
 	if busy && others < l.soloBelow {
 		l.mu.Unlock()
-		l.giveBackLate(c.ctx, key, l.book(c.ctx, key, c.alone()), true)
-		return c.res, c.err
+		return l.sendAlone(key, c)
 	}
 	if !busy {
 		l.queues[key] = nil // in flight, no one waiting
@@ -84,8 +83,7 @@ func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
 		l.queues[key] = q
 	} else if len(q.pending) >= l.maxQueue {
 		l.mu.Unlock()
-		l.giveBackLate(c.ctx, key, l.book(c.ctx, key, c.alone()), true)
-		return c.res, c.err
+		return l.sendAlone(key, c)
 	}
 	c.wake = make(chan bool, 1)
 	q.pending = append(q.pending, c)
@@ -118,6 +116,15 @@ func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
 	if <-c.wake {
 		l.lead(key, c)
 	}
+	return c.finish()
+}
+
+// sendAlone books c in a call of its own beside the one in flight, and
+// answers it as a batch's caller is answered: the call is not cut short
+// when c's context ends (the engine's timeout bounds it), and if it ended
+// meanwhile, c gets the context's error and its slot is given back.
+func (l *Limiter) sendAlone(key string, c *call) (*Reservation, error) {
+	l.giveBackLate(c.ctx, key, l.book(context.WithoutCancel(c.ctx), key, c.alone()), true)
 	return c.finish()
 }
 

@@ -290,7 +290,7 @@ func (l *Limiter) Reserve(ctx context.Context, key string) (*Reservation, error)
 // input (no Redis call made), a done context, or a Redis failure.
 //
 // Concurrent calls for the same key share Redis calls (see WithCoalescing):
-// a caller alone, or one of fewer than four callers of the key, is sent at
+// a caller that finds fewer than four other callers of the key is sent at
 // once; more callers arriving while a call is in flight go together in the
 // next one, each judged on its own budget.
 func (l *Limiter) ReserveN(ctx context.Context, key string, n int) (*Reservation, error) {
