@@ -4,7 +4,6 @@ import (
 	"context"
 	"strconv"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -37,35 +36,6 @@ func proxied(t *testing.T, n int) (*throttle.Engine, *redistest.Proxy, *redis.Cl
 	require.NoError(t, err)
 	require.NoError(t, eng.Load(context.Background()))
 	return eng, p, rdb
-}
-
-// afterGate holds script calls once Redis has answered them, while armed,
-// so a test can end a caller's context after its request took effect.
-type afterGate struct {
-	armed   atomic.Bool
-	entered chan struct{}
-	release chan struct{}
-}
-
-func newAfterGate(rdb *redis.Client) *afterGate {
-	g := &afterGate{entered: make(chan struct{}, 16), release: make(chan struct{})}
-	rdb.AddHook(g)
-	return g
-}
-
-func (g *afterGate) DialHook(next redis.DialHook) redis.DialHook { return next }
-func (g *afterGate) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return next
-}
-func (g *afterGate) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		err := next(ctx, cmd)
-		if g.armed.Load() && (cmd.Name() == "evalsha" || cmd.Name() == "eval") {
-			g.entered <- struct{}{}
-			<-g.release
-		}
-		return err
-	}
 }
 
 // TestCoalescingSoloCancelledInFlight: a caller sent alone beside the call

@@ -66,9 +66,12 @@ func TestCoalescingBooksEveryCaller(t *testing.T) {
 }
 
 // gate blocks script calls while armed, one at a time, so tests can hold a
-// call in flight.
+// call in flight: before it is sent, or (newAfterGate) once Redis has
+// answered it, so that a test can end a caller's context after its request
+// took effect.
 type gate struct {
 	armed   atomic.Bool
+	after   bool
 	entered chan struct{}
 	release chan struct{}
 }
@@ -79,17 +82,32 @@ func newGate(rdb *redis.Client) *gate {
 	return g
 }
 
+func newAfterGate(rdb *redis.Client) *gate {
+	g := &gate{after: true, entered: make(chan struct{}, 16), release: make(chan struct{})}
+	rdb.AddHook(g)
+	return g
+}
+
 func (g *gate) DialHook(next redis.DialHook) redis.DialHook { return next }
 func (g *gate) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return next
 }
 func (g *gate) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		if g.armed.Load() && (cmd.Name() == "evalsha" || cmd.Name() == "eval") {
-			g.entered <- struct{}{}
-			<-g.release
+		if g.after {
+			err := next(ctx, cmd)
+			g.hold(cmd)
+			return err
 		}
+		g.hold(cmd)
 		return next(ctx, cmd)
+	}
+}
+
+func (g *gate) hold(cmd redis.Cmder) {
+	if g.armed.Load() && (cmd.Name() == "evalsha" || cmd.Name() == "eval") {
+		g.entered <- struct{}{}
+		<-g.release
 	}
 }
 
