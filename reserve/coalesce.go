@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 
+	"github.com/slotbook/slotbook/internal/waitbound"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -120,11 +121,14 @@ func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
 }
 
 // sendAlone books c in a call of its own beside the one in flight, and
-// answers it as a batch's caller is answered: the call is not cut short
-// when c's context ends (the engine's timeout bounds it), and if it ended
-// meanwhile, c gets the context's error and its slot is given back.
+// answers it as a batch's caller is answered: once sent, the call is not
+// cut short when c's context ends (the engine's timeout bounds it), and if
+// it ended meanwhile, c gets the context's error and its slot is given
+// back. Waiting for a free connection, nothing is sent yet, so c's end
+// ends the wait (waitbound).
 func (l *Limiter) sendAlone(key string, c *call) (*Reservation, error) {
-	l.giveBackLate(c.ctx, key, l.book(context.WithoutCancel(c.ctx), key, c.alone()), true)
+	ctx := waitbound.With(context.WithoutCancel(c.ctx), c.ctx)
+	l.giveBackLate(c.ctx, key, l.book(ctx, key, c.alone()), true)
 	return c.finish()
 }
 

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/slotbook/slotbook/internal/waitbound"
 )
 
 // Result is the outcome of a check-mode call (Allow, AllowN, AllowAll).
@@ -340,13 +342,14 @@ func (e *Engine) runReply(ctx context.Context, s *script, keys []string, args []
 		select {
 		case gate <- struct{}{}:
 		default: // every connection busy: wait, bounded by the caller's context
+			wctx := waitbound.Of(ctx) // or the one reserve set for the wait alone
 			select {
 			case gate <- struct{}{}:
-			case <-ctx.Done():
+			case <-wctx.Done():
 				if probe {
 					e.breakers.abandonB(ref.b)
 				}
-				return nil, ctx.Err()
+				return nil, wctx.Err()
 			}
 			now = time.Now()
 		}
