@@ -51,19 +51,10 @@ func TestCoalescingSoloCancelledInFlight(t *testing.T) {
 	require.NoError(t, e.eng.Load(base))
 	g.armed.Store(true)
 
-	type result struct {
-		r   *reserve.Reservation
-		err error
-	}
-	reserveAsync := func(ctx context.Context) chan result {
-		ch := make(chan result, 1)
-		go func() { r, err := l.Reserve(ctx, "k"); ch <- result{r, err} }()
-		return ch
-	}
-	a := reserveAsync(base)
+	a := reserveAsync(base, l)
 	<-g.entered // a booked now, its answer held
 	bctx, cancelB := context.WithCancel(base)
-	b := reserveAsync(bctx)
+	b := reserveAsync(bctx, l)
 	<-g.entered // b, sent alone, booked a minute on, its answer held
 	cancelB()
 	g.armed.Store(false)

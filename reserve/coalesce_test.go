@@ -111,6 +111,19 @@ func (g *gate) hold(cmd redis.Cmder) {
 	}
 }
 
+// reserved is the outcome of one Reserve.
+type reserved struct {
+	r   *reserve.Reservation
+	err error
+}
+
+// reserveAsync reserves key "k" of l under ctx on a goroutine of its own.
+func reserveAsync(ctx context.Context, l *reserve.Limiter) chan reserved {
+	ch := make(chan reserved, 1)
+	go func() { r, err := l.Reserve(ctx, "k"); ch <- reserved{r, err} }()
+	return ch
+}
+
 // TestCoalescingCancelledWhileQueued: a caller cancelled before its batch
 // is sent leaves the queue and books nothing; the others are unaffected.
 func TestCoalescingCancelledWhileQueued(t *testing.T) {
@@ -125,20 +138,11 @@ func TestCoalescingCancelledWhileQueued(t *testing.T) {
 	require.NoError(t, e.eng.Load(base))
 	g.armed.Store(true)
 
-	type result struct {
-		r   *reserve.Reservation
-		err error
-	}
-	reserveAsync := func(ctx context.Context) chan result {
-		ch := make(chan result, 1)
-		go func() { r, err := l.Reserve(ctx, "k"); ch <- result{r, err} }()
-		return ch
-	}
-	a := reserveAsync(base)
+	a := reserveAsync(base, l)
 	<-g.entered // a is in flight
 	bctx, cancelB := context.WithCancel(base)
-	b := reserveAsync(bctx)
-	c := reserveAsync(base)
+	b := reserveAsync(bctx, l)
+	c := reserveAsync(base, l)
 	time.Sleep(50 * time.Millisecond) // let b and c queue
 	cancelB()
 	rb := <-b
