@@ -197,7 +197,13 @@ func (l *Limiter) send(ctx context.Context, key string, batch []*call) {
 	}()
 	// The batch serves callers other than the sender: the sender's
 	// cancellation must not fail their call (the engine's timeout bounds it).
-	late := l.book(context.WithoutCancel(ctx), key, batch)
+	// A batch of the sender alone fails no one else's: its wait for a free
+	// connection, before anything is sent, ends with the sender's context.
+	bctx := context.WithoutCancel(ctx)
+	if len(batch) == 1 {
+		bctx = waitbound.With(bctx, ctx)
+	}
+	late := l.book(bctx, key, batch)
 	l.handOn(key, batch)
 	l.giveBackLate(ctx, key, late, len(batch) == 1)
 }

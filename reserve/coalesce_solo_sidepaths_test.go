@@ -3,6 +3,7 @@ package reserve_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -15,13 +16,27 @@ import (
 	"github.com/slotbook/slotbook/throttle"
 )
 
-// TestCoalescingSoloLeavesWaitWhenContextEnds: a caller sent alone beside
-// the call in flight, whose context ends while it waits for one of the
-// client's connections (all busy), returns when its context ends, as an
-// uncoalesced caller does in the same state, and not only once the call
-// in flight has come back.
-func TestCoalescingSoloLeavesWaitWhenContextEnds(t *testing.T) {
+// TestCoalescingLeavesWaitWhenContextEnds: with every connection busy
+// (PoolSize 1, a call for key "k" in flight, its reply held), a caller
+// whose context ends while it waits for a connection returns then, as an
+// uncoalesced caller does in the same state, and not once the call in
+// flight has come back: sent alone beside that call (same key), or leading
+// a batch of one (an idle key). Nothing was sent for it, so nothing needs
+// giving back.
+func TestCoalescingLeavesWaitWhenContextEnds(t *testing.T) {
 	t.Parallel()
+	for _, tc := range []struct{ name, key string }{
+		{"sent alone beside the call in flight", "k"},
+		{"leading a batch of one on an idle key", "b"},
+	} {
+		t.Run(tc.key, func(t *testing.T) {
+			t.Parallel()
+			leavesWait(t, tc.name, tc.key)
+		})
+	}
+}
+
+func leavesWait(t *testing.T, name, key string) {
 	srv := redistest.Shared(t)
 	p := redistest.NewProxy(t, srv.Addr)
 	rdb := p.Client(t, srv, func(o *redis.Options) { o.PoolSize = 1 })
@@ -42,8 +57,7 @@ func TestCoalescingSoloLeavesWaitWhenContextEnds(t *testing.T) {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		_, err := l.Reserve(context.Background(), "k")
-		if err != nil {
+		if _, err := l.Reserve(context.Background(), "k"); err != nil {
 			t.Errorf("a: %v", err)
 		}
 		done("a (the call in flight)")
@@ -54,15 +68,15 @@ func TestCoalescingSoloLeavesWaitWhenContextEnds(t *testing.T) {
 	}, 5*time.Second, time.Millisecond, "a's call reached Redis")
 
 	for _, c := range []struct {
-		name string
-		l    *reserve.Limiter
-	}{{"b (coalesced, sent alone)", l}, {"c (uncoalesced control)", control}} {
+		name, key string
+		l         *reserve.Limiter
+	}{{"b (coalesced, " + name + ")", key, l}, {"c (uncoalesced control)", "c", control}} {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 			defer cancel()
-			_, err := c.l.Reserve(ctx, "k")
+			_, err := c.l.Reserve(ctx, c.key)
 			if !errors.Is(err, context.DeadlineExceeded) {
 				t.Errorf("%s: got %v, want the context's error", c.name, err)
 			}
@@ -134,9 +148,10 @@ func TestCoalescingSoloUnderLatencyBooksOnce(t *testing.T) {
 	require.Equal(t, hi.UnixMicro()+lim.Interval().Microseconds(), v, "Redis holds one booking per caller")
 }
 
-// TestCoalescingSoloRedisAway: with Redis unreachable,
-// and queued all get an error matching ErrUnavailable, none hangs, and no
-// caller count is left behind (the next callers go alone again and book).
+// TestCoalescingSoloRedisAway: when Redis goes away while ten callers of
+// one key are in flight (the first, three sent alone beside it) or queued,
+// every caller returns, booked or with an error matching ErrUnavailable:
+// none hangs.
 func TestCoalescingSoloRedisAway(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Shared(t)
@@ -165,4 +180,66 @@ func TestCoalescingSoloRedisAway(t *testing.T) {
 			require.ErrorIs(t, err, throttle.ErrUnavailable)
 		}
 	}
+}
+
+// TestCoalescingSoloCancelAroundConnection: a solo caller b (beside a's call
+// in flight, PoolSize 1) is cancelled at varied moments around the time
+// a's reply frees the connection. Whatever b gets, Redis must hold exactly
+// the bookings of the OK reservations: a's, plus b's only if b got OK
+// (a booking made for a cancelled b must have been given back).
+func TestCoalescingSoloCancelAroundConnection(t *testing.T) {
+	srv := redistest.Shared(t)
+	p := redistest.NewProxy(t, srv.Addr)
+	rdb := p.Client(t, srv, func(o *redis.Options) { o.PoolSize = 1 })
+	prefix := redistest.Prefix(t)
+	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(10*time.Second))
+	require.NoError(t, err)
+	require.NoError(t, eng.Load(context.Background()))
+	lim := throttle.PerHour(3600, 0)
+	l, err := reserve.New(eng, "api", lim)
+	require.NoError(t, err)
+	direct := srv.Client(t)
+	const delay = 30 * time.Millisecond
+	p.SetReplyDelay(delay)
+	outcomes := map[string]int{}
+	for round := 0; round < 90; round++ {
+		key := fmt.Sprintf("k%d", round)
+		var ra *reserve.Reservation
+		aDone := make(chan struct{})
+		go func() {
+			defer close(aDone)
+			var err error
+			ra, err = l.Reserve(context.Background(), key)
+			if err != nil || !ra.OK() {
+				t.Errorf("a: %v %v", ra, err)
+			}
+		}()
+		require.Eventually(t, func() bool {
+			return direct.Exists(context.Background(), prefix+"api:{"+key+"}").Val() == 1
+		}, 5*time.Second, 100*time.Microsecond)
+		ctx, cancel := context.WithCancel(context.Background())
+		off := delay - 10*time.Millisecond + time.Duration(round%30)*3*time.Millisecond
+		timer := time.AfterFunc(off, cancel)
+		rb, errb := l.Reserve(ctx, key)
+		timer.Stop()
+		cancel()
+		<-aDone
+		if t.Failed() {
+			return
+		}
+		tat, err := direct.Get(context.Background(), prefix+"api:{"+key+"}").Int64()
+		require.NoError(t, err)
+		aEnd := ra.Booking().At.UnixMicro() + lim.Interval().Microseconds()
+		switch {
+		case errb == nil && rb.OK():
+			outcomes["ok"]++
+			require.Equal(t, rb.Booking().At.UnixMicro()+lim.Interval().Microseconds(), tat, "round %d: b OK, Redis holds a and b", round)
+		case errors.Is(errb, context.Canceled):
+			outcomes["canceled"]++
+			require.Equal(t, aEnd, tat, "round %d: b cancelled (%v), Redis must hold a's booking only", round, errb)
+		default:
+			t.Fatalf("round %d: b got %v %v", round, rb, errb)
+		}
+	}
+	t.Logf("outcomes: %v", outcomes)
 }
