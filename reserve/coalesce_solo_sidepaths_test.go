@@ -37,13 +37,8 @@ func TestCoalescingLeavesWaitWhenContextEnds(t *testing.T) {
 }
 
 func leavesWait(t *testing.T, name, key string) {
+	eng, p, prefix := proxiedEngine(t, 1)
 	srv := redistest.Shared(t)
-	p := redistest.NewProxy(t, srv.Addr)
-	rdb := p.Client(t, srv, func(o *redis.Options) { o.PoolSize = 1 })
-	prefix := redistest.Prefix(t)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(10*time.Second))
-	require.NoError(t, err)
-	require.NoError(t, eng.Load(context.Background()))
 	l, err := reserve.New(eng, "api", throttle.PerSecond(1000, 100))
 	require.NoError(t, err)
 	control, err := l.With(reserve.WithCoalescing(false))
@@ -89,18 +84,33 @@ func leavesWait(t *testing.T, name, key string) {
 		"callers whose context ended 100 ms in returned before the 2 s call in flight came back")
 }
 
+// proxiedEngine returns an engine on the shared server whose client (with
+// poolSize connections at most, 0 for go-redis's default) goes through a
+// latency proxy, with opts after its prefix and a 10 s timeout; and the
+// proxy and the prefix.
+func proxiedEngine(t *testing.T, poolSize int, opts ...throttle.Option) (*throttle.Engine, *redistest.Proxy, string) {
+	t.Helper()
+	srv := redistest.Shared(t)
+	p := redistest.NewProxy(t, srv.Addr)
+	rdb := p.Client(t, srv, func(o *redis.Options) {
+		if poolSize > 0 {
+			o.PoolSize = poolSize
+		}
+	})
+	prefix := redistest.Prefix(t)
+	eng, err := throttle.New(rdb, append([]throttle.Option{throttle.WithPrefix(prefix), throttle.WithTimeout(10 * time.Second)}, opts...)...)
+	require.NoError(t, err)
+	require.NoError(t, eng.Load(context.Background()))
+	return eng, p, prefix
+}
+
 // TestCoalescingSoloUnderLatencyBooksOnce: at 40 ms each way, callers of one
 // key, few (sent alone) and many (queued), repeated, each get one slot,
 // and the slots are one interval apart: nothing booked twice or lost.
 func TestCoalescingSoloUnderLatencyBooksOnce(t *testing.T) {
 	t.Parallel()
+	eng, p, prefix := proxiedEngine(t, 32)
 	srv := redistest.Shared(t)
-	p := redistest.NewProxy(t, srv.Addr)
-	rdb := p.Client(t, srv, func(o *redis.Options) { o.PoolSize = 32 })
-	prefix := redistest.Prefix(t)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(10*time.Second))
-	require.NoError(t, err)
-	require.NoError(t, eng.Load(context.Background()))
 	lim := throttle.PerHour(3600, 0) // one a second, no burst: every slot distinct
 	l, err := reserve.New(eng, "api", lim)
 	require.NoError(t, err)
@@ -154,13 +164,7 @@ func TestCoalescingSoloUnderLatencyBooksOnce(t *testing.T) {
 // none hangs.
 func TestCoalescingSoloRedisAway(t *testing.T) {
 	t.Parallel()
-	srv := redistest.Shared(t)
-	p := redistest.NewProxy(t, srv.Addr)
-	rdb := p.Client(t, srv)
-	prefix := redistest.Prefix(t)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(200*time.Millisecond), throttle.WithProbeBackoff(time.Millisecond, 2*time.Millisecond))
-	require.NoError(t, err)
-	require.NoError(t, eng.Load(context.Background()))
+	eng, p, _ := proxiedEngine(t, 0, throttle.WithTimeout(200*time.Millisecond), throttle.WithProbeBackoff(time.Millisecond, 2*time.Millisecond))
 	l, err := reserve.New(eng, "api", throttle.PerSecond(1000, 100))
 	require.NoError(t, err)
 	p.SetReplyDelay(100 * time.Millisecond)
@@ -188,13 +192,8 @@ func TestCoalescingSoloRedisAway(t *testing.T) {
 // the bookings of the OK reservations: a's, plus b's only if b got OK
 // (a booking made for a cancelled b must have been given back).
 func TestCoalescingSoloCancelAroundConnection(t *testing.T) {
+	eng, p, prefix := proxiedEngine(t, 1)
 	srv := redistest.Shared(t)
-	p := redistest.NewProxy(t, srv.Addr)
-	rdb := p.Client(t, srv, func(o *redis.Options) { o.PoolSize = 1 })
-	prefix := redistest.Prefix(t)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(10*time.Second))
-	require.NoError(t, err)
-	require.NoError(t, eng.Load(context.Background()))
 	lim := throttle.PerHour(3600, 0)
 	l, err := reserve.New(eng, "api", lim)
 	require.NoError(t, err)

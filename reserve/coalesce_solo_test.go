@@ -16,14 +16,12 @@ import (
 	"github.com/slotbook/slotbook/throttle"
 )
 
-// proxied returns an engine whose client goes through a latency proxy,
-// with at least n connections open in its pool.
-func proxied(t *testing.T, n int) (*throttle.Engine, *redistest.Proxy, *redis.Client) {
+// warmProxied is proxiedEngine with at least n connections open in its
+// client's pool: n overlapping calls, each slowed by the proxy.
+func warmProxied(t *testing.T, n int) (*throttle.Engine, *redistest.Proxy) {
 	t.Helper()
-	srv := redistest.Shared(t)
-	p := redistest.NewProxy(t, srv.Addr)
-	rdb := p.Client(t, srv)
-	// Open n connections: n overlapping calls, each slowed by the proxy.
+	eng, p, _ := proxiedEngine(t, 0, throttle.WithTimeout(5*time.Second))
+	rdb := eng.Client().(*redis.Client)
 	p.SetReplyDelay(30 * time.Millisecond)
 	var wg sync.WaitGroup
 	for i := 0; i < n; i++ {
@@ -32,10 +30,7 @@ func proxied(t *testing.T, n int) (*throttle.Engine, *redistest.Proxy, *redis.Cl
 	}
 	wg.Wait()
 	p.SetReplyDelay(0)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(5*time.Second))
-	require.NoError(t, err)
-	require.NoError(t, eng.Load(context.Background()))
-	return eng, p, rdb
+	return eng, p
 }
 
 // TestCoalescingSoloCancelledInFlight: a caller sent alone beside the call
@@ -83,7 +78,7 @@ func TestCoalescingMixMatchesGCRA(t *testing.T) {
 }
 
 func mixGCRA(t *testing.T, goroutines int) {
-	eng, p, _ := proxied(t, goroutines)
+	eng, p := warmProxied(t, goroutines)
 	const (
 		interval = 10 * time.Millisecond
 		burst    = 4
