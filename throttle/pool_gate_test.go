@@ -72,6 +72,8 @@ func TestPoolWaitIsNotRedisDown(t *testing.T) {
 		ctx := context.Background()
 		lim := throttle.PerSecond(1000, 1000)
 		redistest.UntilOK(t, func() error { _, err := eng.Allow(ctx, "warm", lim); return err })
+		t.Logf("breaker changes during the warm-up: %v", log.getNodes())
+		log.reset()
 
 		wait := holdPool(t, rdb, redistest.Prefix(t)+"nothing", o.PoolSize, time.Second)
 		if cte {
@@ -109,6 +111,8 @@ func TestClusterPoolWaitIsNotRedisDown(t *testing.T) {
 	lim := throttle.PerSecond(1000, 1000)
 	subject := subjectOn(t, cc, throttle.DefaultPrefix, cluster.Addrs[0])
 	redistest.UntilOK(t, func() error { _, err := eng.Allow(ctx, subject, lim); return err })
+	t.Logf("breaker changes during the warm-up: %v", log.getNodes())
+	log.reset()
 	node, err := cc.MasterForKey(ctx, throttle.DefaultPrefix+subject)
 	require.NoError(t, err)
 	wait := holdPool(t, node, "{"+throttle.DefaultPrefix+subject+"}:nothing", 2, time.Second)
