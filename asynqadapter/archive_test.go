@@ -11,7 +11,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/asynqadapter"
-	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/reserve"
 	"github.com/slotbook/slotbook/throttle"
 )
@@ -31,10 +30,7 @@ func TestWorkEstimateBeyondTimeout(t *testing.T) {
 		"limiter":    {lim: []reserve.Option{reserve.WithWorkEstimate(3 * time.Second)}},
 	} {
 		t.Run(name, func(t *testing.T) {
-			srvRedis := redistest.Shared(t)
-			srvRedis.RequireReal(t)
-			e := newEnv(t)
-			queue := "q" + e.prefix
+			srvRedis, e, queue := queueEnv(t)
 			l := e.limiter(t, throttle.PerSecond(100, 10), opts.lim...)
 			mw, err := asynqadapter.NewMiddleware(l, opts.mw...)
 			require.NoError(t, err)
@@ -71,10 +67,7 @@ func TestWorkEstimateBeyondTimeout(t *testing.T) {
 // is false for it and the package doc's ErrorHandler pattern reports it.
 // Found by review: the pattern skipped the archived task.
 func TestArchivingRefusalIsNotARefusal(t *testing.T) {
-	srvRedis := redistest.Shared(t)
-	srvRedis.RequireReal(t)
-	e := newEnv(t)
-	queue := "q" + e.prefix
+	srvRedis, e, queue := queueEnv(t)
 	l := e.limiter(t, throttle.PerSecond(1, 0), reserve.WithMaxWait(100*time.Millisecond))
 	fill(t, context.Background(), l, "api:call", 10) // the next slot is some 10 s away
 	mw, err := asynqadapter.NewMiddleware(l)

@@ -43,6 +43,17 @@ func newEnv(t *testing.T) *env {
 	return &env{rdb: rdb, calls: calls, eng: eng, prefix: prefix}
 }
 
+// queueEnv is what the tests that run asynq servers open with: the shared
+// Redis (a real one: asynq needs it), an env on it, and a queue of the
+// test's own.
+func queueEnv(t *testing.T) (*redistest.Server, *env, string) {
+	t.Helper()
+	srvRedis := redistest.Shared(t)
+	srvRedis.RequireReal(t)
+	e := newEnv(t)
+	return srvRedis, e, "q" + e.prefix
+}
+
 func (e *env) limiter(t *testing.T, limit throttle.Limit, opts ...reserve.Option) *reserve.Limiter {
 	t.Helper()
 	l, err := reserve.New(e.eng, "tasks", limit, opts...)
@@ -432,10 +443,7 @@ func TestLastAttempt(t *testing.T) {
 	for _, wait := range []bool{true, false} {
 		t.Run(fmt.Sprint("wait=", wait), func(t *testing.T) {
 			t.Parallel()
-			srvRedis := redistest.Shared(t)
-			srvRedis.RequireReal(t)
-			e := newEnv(t)
-			queue := "q" + e.prefix
+			srvRedis, e, queue := queueEnv(t)
 			l := e.limiter(t, throttle.PerSecond(10, 0), reserve.WithMaxWait(50*time.Millisecond))
 			// Waiting: the next slot ~400ms away. Refused: ~4 s away, so
 			// that it is still beyond the max wait however long the
@@ -473,10 +481,7 @@ func TestLastAttempt(t *testing.T) {
 // its absolute deadline is archived at once instead of sent back.
 func TestInspectorDeadline(t *testing.T) {
 	t.Parallel()
-	srvRedis := redistest.Shared(t)
-	srvRedis.RequireReal(t)
-	e := newEnv(t)
-	queue := "q" + e.prefix
+	srvRedis, e, queue := queueEnv(t)
 	l := e.limiter(t, throttle.PerSecond(1, 0), reserve.WithMaxWait(100*time.Millisecond))
 	fill(t, context.Background(), l, "api:call", 20) // next slot ~20 s away
 	insp := asynq.NewInspectorFromRedisClient(srvRedis.Client(t))

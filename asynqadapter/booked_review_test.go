@@ -36,10 +36,7 @@ func bookedMiddleware(t *testing.T, e *env, l *reserve.Limiter, opts ...asynqada
 // burst-0 limit. Found by review (0.4 ms apart); a booking now keeps a
 // margin before the deadline, so no such slot is booked.
 func TestBookedNoStaleEntryAfterGiveBack(t *testing.T) {
-	srvRedis := redistest.Shared(t)
-	srvRedis.RequireReal(t)
-	e := newEnv(t)
-	queue := "q" + e.prefix
+	srvRedis, e, queue := queueEnv(t)
 	limit := throttle.PerSecond(2, 0) // I = 500ms, no burst
 	l := e.limiter(t, limit, reserve.WithMaxWait(100*time.Millisecond))
 	fill(t, context.Background(), l, "api:call", 8) // next slot ~4 s away
@@ -181,10 +178,7 @@ func TestBookedSameIDTwoQueues(t *testing.T) {
 // slot, not to when the task is due back), archived, and its booking
 // given back, leaving an index entry that a re-run task could use.
 func TestBookedNearDeadlineRuns(t *testing.T) {
-	srvRedis := redistest.Shared(t)
-	srvRedis.RequireReal(t)
-	e := newEnv(t)
-	queue := "q" + e.prefix
+	srvRedis, e, queue := queueEnv(t)
 	l := e.limiter(t, throttle.PerSecond(2, 0), reserve.WithMaxWait(100*time.Millisecond))
 	insp := asynq.NewInspectorFromRedisClient(srvRedis.Client(t))
 	mw := bookedMiddleware(t, e, l, asynqadapter.WithInspector(insp))
@@ -304,10 +298,7 @@ func TestBookedIDReusedAfterCompletion(t *testing.T) {
 // review). It books again instead, and is refused like any task whose
 // slot is too far: no retry used.
 func TestBookedRecalledBeyondDeadline(t *testing.T) {
-	srvRedis := redistest.Shared(t)
-	srvRedis.RequireReal(t)
-	e := newEnv(t)
-	queue := "q" + e.prefix
+	srvRedis, e, queue := queueEnv(t)
 	l := e.limiter(t, throttle.PerSecond(1, 0), reserve.WithMaxWait(100*time.Millisecond))
 	mw := bookedMiddleware(t, e, l)
 	server(t, srvRedis.Client(t), queue, 2, mw, func(context.Context, *asynq.Task) error { return nil })

@@ -172,10 +172,7 @@ func TestLocalShareRefusalIsNotAFailure(t *testing.T) {
 // too little time would be left.
 func TestInspectorTooCloseToDeadline(t *testing.T) {
 	t.Parallel()
-	srvRedis := redistest.Shared(t)
-	srvRedis.RequireReal(t)
-	e := newEnv(t)
-	queue := "q" + e.prefix
+	srvRedis, e, queue := queueEnv(t)
 	l := e.limiter(t, throttle.PerSecond(1, 0), reserve.WithMaxWait(100*time.Millisecond))
 	filled := time.Now()
 	fill(t, context.Background(), l, "api:call", 10) // next slot ~10 s after filled
@@ -204,10 +201,7 @@ func TestWorkEstimate(t *testing.T) {
 	for _, work := range []time.Duration{0, 300 * time.Millisecond} {
 		t.Run(fmt.Sprint("work=", work), func(t *testing.T) {
 			t.Parallel()
-			srvRedis := redistest.Shared(t)
-			srvRedis.RequireReal(t)
-			e := newEnv(t)
-			queue := "q" + e.prefix
+			srvRedis, e, queue := queueEnv(t)
 			l := e.limiter(t, throttle.PerSecond(20, 0), reserve.WithMaxWait(time.Minute))
 			var opts []asynqadapter.Option
 			if work > 0 {
@@ -270,10 +264,7 @@ func TestWorkEstimate(t *testing.T) {
 // refusal; IsRefusal tells them from the handler's own errors.
 func TestErrorHandlerSeesRefusals(t *testing.T) {
 	t.Parallel()
-	srvRedis := redistest.Shared(t)
-	srvRedis.RequireReal(t)
-	e := newEnv(t)
-	queue := "q" + e.prefix
+	srvRedis, e, queue := queueEnv(t)
 	l := e.limiter(t, throttle.PerSecond(2, 0), reserve.WithMaxWait(100*time.Millisecond))
 	var (
 		mu             sync.Mutex // guards refusals, others
@@ -331,10 +322,7 @@ func TestErrorHandlerSeesRefusals(t *testing.T) {
 // finding the booking. A second task is booked the interval after it.
 func TestBookedRetry(t *testing.T) {
 	t.Parallel()
-	srvRedis := redistest.Shared(t)
-	srvRedis.RequireReal(t)
-	e := newEnv(t)
-	queue := "q" + e.prefix
+	srvRedis, e, queue := queueEnv(t)
 	l := e.limiter(t, throttle.PerSecond(1, 0), reserve.WithMaxWait(100*time.Millisecond))
 	fill(t, context.Background(), l, "api:call", 3) // next slot ~3 s away
 	mw := bookedMiddleware(t, e, l)
@@ -392,10 +380,7 @@ func TestBookedRetry(t *testing.T) {
 // entry), and runs once its slot comes within reach.
 func TestBookedHorizon(t *testing.T) {
 	t.Parallel()
-	srvRedis := redistest.Shared(t)
-	srvRedis.RequireReal(t)
-	e := newEnv(t)
-	queue := "q" + e.prefix
+	srvRedis, e, queue := queueEnv(t)
 	l := e.limiter(t, throttle.PerSecond(1, 0), reserve.WithMaxWait(100*time.Millisecond))
 	mw, err := asynqadapter.NewMiddleware(l, asynqadapter.WithBookedRetries(e.eng, 2*time.Second),
 		asynqadapter.WithCheckInterval(time.Second))
@@ -425,10 +410,7 @@ func TestBookedHorizon(t *testing.T) {
 // call), and books again (a second).
 func TestBookedLateReturnBooksAgain(t *testing.T) {
 	t.Parallel()
-	srvRedis := redistest.Shared(t)
-	srvRedis.RequireReal(t)
-	e := newEnv(t)
-	queue := "q" + e.prefix
+	srvRedis, e, queue := queueEnv(t)
 	l := e.limiter(t, throttle.PerSecond(2, 0), reserve.WithMaxWait(100*time.Millisecond))
 	mw := bookedMiddleware(t, e, l)
 	started := make(chan time.Time, 1)
