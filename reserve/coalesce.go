@@ -127,8 +127,7 @@ func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
 // back. Waiting for a free connection, nothing is sent yet, so c's end
 // ends the wait (waitbound).
 func (l *Limiter) sendAlone(key string, c *call) (*Reservation, error) {
-	ctx := waitbound.With(context.WithoutCancel(c.ctx), c.ctx)
-	l.giveBackLate(c.ctx, key, l.book(ctx, key, c.alone()), true)
+	l.giveBackLate(c.ctx, key, l.book(waitbound.Detach(c.ctx), key, c.alone()), true)
 	return c.finish()
 }
 
@@ -201,7 +200,7 @@ func (l *Limiter) send(ctx context.Context, key string, batch []*call) {
 	// connection, before anything is sent, ends with the sender's context.
 	bctx := context.WithoutCancel(ctx)
 	if len(batch) == 1 {
-		bctx = waitbound.With(bctx, ctx)
+		bctx = waitbound.Detach(ctx)
 	}
 	late := l.book(bctx, key, batch)
 	l.handOn(key, batch)
