@@ -262,9 +262,9 @@ func (bs *breakers) changed(node string, open bool) {
 // resharding gave to other nodes. No probe could close such a breaker,
 // since no call goes to its node. (The pseudo-node "cluster" is closed as
 // any node is, by a success: reading the slot map.) The observer is told
-// of each closing, in order, as of any other (see changed). retire returns the nodes whose breakers it
-// closed. A call to such a node still under way may open its breaker
-// again when it fails; the next retire closes it.
+// of each closing, in order, as of any other (see changed). retire returns
+// the nodes whose breakers it closed. A call to such a node still under
+// way may open its breaker again when it fails; the next retire closes it.
 func (bs *breakers) retire(stale func(node string) bool) (retired []string) {
 	bs.mu.Lock()
 	defer bs.mu.Unlock()
