@@ -23,6 +23,7 @@ type detached struct{ parent context.Context }
 func (detached) Deadline() (time.Time, bool) { return time.Time{}, false }
 func (detached) Done() <-chan struct{}       { return nil }
 func (detached) Err() error                  { return nil }
+func (d detached) String() string            { return "waitbound.Detach" }
 func (d detached) Value(k any) any {
 	if k == (key{}) {
 		return d.parent
@@ -32,8 +33,14 @@ func (d detached) Value(k any) any {
 
 // Detach returns a context with ctx's values and no deadline or
 // cancellation, as context.WithoutCancel does, under which a call's wait
-// for a connection (and nothing after it) still ends with ctx.
-func Detach(ctx context.Context) context.Context { return detached{ctx} }
+// for a connection (and nothing after it) still ends with ctx. A detached
+// context is returned as it is, so the wait stays bounded by the caller's.
+func Detach(ctx context.Context) context.Context {
+	if d, ok := ctx.(detached); ok {
+		return d
+	}
+	return detached{ctx}
+}
 
 // Of returns the context that bounds ctx's wait for a connection: the one
 // given to Detach, or ctx itself.
