@@ -324,8 +324,11 @@ type BatchRequest struct {
 // ReserveBatch books reqs for key in order, in one Redis call, each judged
 // on its own budget exactly as ReserveN would judge it. It returns one
 // Reservation per request (a refused one is not OK), or an error for bad
-// input (nothing sent) or a Redis failure (nothing booked). It is what a
-// worker pool uses to book slots for its backlog.
+// input (nothing sent) or a Redis failure (nothing booked). A request
+// whose Context has ended by the time the call is sent books nothing: its
+// Reservation is not OK and its Err is the context's error (no call is
+// made if every request's has). It is what a worker pool uses to book
+// slots for its backlog.
 func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequest) ([]*Reservation, error) {
 	k, err := l.engineKey(key)
 	if err != nil {
@@ -361,7 +364,8 @@ func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequ
 
 // book judges calls for key in one engine call (ctx bounds the call) and
 // sets each call's res or err. A call whose budget is already spent is
-// refused without being sent; if none is left, no call is made. It returns
+// refused without being sent, and one whose context has ended is answered
+// with its error, nothing booked; if none is left, no call is made. It returns
 // the bookings refused once the reply was in, for the caller to give back
 // with giveBackLate once every call has its answer (so that the refunds'
 // round trip does not hold back the calls that were booked).
@@ -388,6 +392,13 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 		if budget < 0 {
 			c.res = &Reservation{lim: l, key: key, err: deadline.Refuse(bound, budget, 0)}
 			l.eng.Observer().ObserveDecision(l.name, throttle.Refused, 0)
+			continue
+		}
+		if err := c.ctx.Err(); err != nil {
+			// Its caller is gone (a queued caller cancelled as its batch
+			// was taken, a pool job cancelled as it was booked): a slot
+			// booked for it would cost a second call to give back.
+			c.res = &Reservation{lim: l, key: key, err: err}
 			continue
 		}
 		maxWait := budget
