@@ -157,6 +157,11 @@ type ScalePoint struct {
 	P50                 time.Duration `json:"p50_ns"`
 	P99                 time.Duration `json:"p99_ns"`
 	Nodes               []NodeStat    `json:"nodes,omitempty"`
+	// RoundPerSec is the granted requests per second of each round, in
+	// the order the rounds ran: the strategies of one round run back to
+	// back, so the ratio of two strategies' rates in the same round is a
+	// paired comparison (see roundSpread).
+	RoundPerSec []float64 `json:"round_granted_per_sec,omitempty"`
 }
 
 // NodeStat is one Redis Cluster master's share of a cluster point.
@@ -307,11 +312,14 @@ type accum struct {
 	perNode  map[string]int64
 	nodeKeys map[string]int64
 	srv      []serverStats // per server
+	rates    []float64     // granted per second, per round
 }
 
 func (a *accum) add(results []loadResult, srv []serverStats) {
 	var longest time.Duration
+	var granted int64
 	for _, r := range results {
+		granted += r.Granted
 		a.granted += r.Granted
 		a.errors += r.Errors
 		a.calls += r.Calls
@@ -332,6 +340,9 @@ func (a *accum) add(results []loadResult, srv []serverStats) {
 		}
 	}
 	a.seconds += longest.Seconds()
+	if longest > 0 {
+		a.rates = append(a.rates, float64(granted)/longest.Seconds())
+	}
 	if a.srv == nil {
 		a.srv = make([]serverStats, len(srv))
 	}
@@ -342,7 +353,7 @@ func (a *accum) add(results []loadResult, srv []serverStats) {
 
 func (a *accum) point() ScalePoint {
 	p := ScalePoint{Strategy: a.spec.Strategy, Keys: a.spec.Keys, Procs: a.procs, Goroutines: a.spec.Goroutines * a.procs,
-		Granted: a.granted, Errors: a.errors, FirstError: a.first, Calls: a.calls, Seconds: a.seconds}
+		Granted: a.granted, Errors: a.errors, FirstError: a.first, Calls: a.calls, Seconds: a.seconds, RoundPerSec: a.rates}
 	var srv serverStats
 	for _, s := range a.srv {
 		srv = srv.add(s)

@@ -18,6 +18,36 @@ func (s *ScalingReport) point(strat string, keys, procs, g int) (ScalePoint, boo
 	return ScalePoint{}, false
 }
 
+// roundSpread returns the lowest and highest over the rounds of a's
+// granted/s over b's in the same round, and false if the points share no
+// round with a rate for b.
+func roundSpread(a, b ScalePoint) (lo, hi float64, ok bool) {
+	for i := range min(len(a.RoundPerSec), len(b.RoundPerSec)) {
+		if b.RoundPerSec[i] <= 0 {
+			continue
+		}
+		r := a.RoundPerSec[i] / b.RoundPerSec[i]
+		if !ok {
+			lo, hi, ok = r, r, true
+		}
+		lo, hi = min(lo, r), max(hi, r)
+	}
+	return lo, hi, ok
+}
+
+// ratioCell is a's granted/s over b's, followed by roundSpread's range
+// when there is more than one round.
+func ratioCell(a, b ScalePoint) string {
+	if b.PerSec == 0 {
+		return "–"
+	}
+	cell := fmt.Sprintf("%.2f", a.PerSec/b.PerSec)
+	if lo, hi, ok := roundSpread(a, b); ok && min(len(a.RoundPerSec), len(b.RoundPerSec)) > 1 {
+		cell += fmt.Sprintf(" (%.2f–%.2f)", lo, hi)
+	}
+	return cell
+}
+
 // manyKeys is the run's largest key count above 1 (10,000 by default).
 func (s *ScalingReport) manyKeys() int {
 	n := 0
@@ -109,7 +139,8 @@ func (s *ScalingReport) markdown(b *strings.Builder) {
 	p("from the given goroutines in all processes together (each process re-executes slotbench and runs its share); every goroutine takes the next key in turn. ")
 	p("Server CPU is the used_cpu_sys + used_cpu_user delta of the server(s) over the point, per granted request; command µs is the part INFO commandstats counts as running commands. ")
 	p("Client CPU is the client processes' own user + system time (getrusage) over their rounds, per granted request: with one process it includes slotbench's idle goroutines. ")
-	p("Latency is from the call to the answer (for the pool, from Submit to the job's start). The clients and the server share this machine's cores, so a client that spends less CPU leaves more to the server.\n\n")
+	p("Latency is from the call to the answer (for the pool, from Submit to the job's start). The clients and the server share this machine's cores, so a client that spends less CPU leaves more to the server. ")
+	p("In the side-by-side table, the range after a ratio of granted/s is its lowest and highest over the rounds (every round runs each strategy once, one after another, so each round is a paired comparison): where the range spans 1, the point does not tell the two strategies apart on this machine.\n\n")
 	for _, f := range s.Plots {
 		rel, err := filepath.Rel(outDir, f)
 		if err != nil {
@@ -137,8 +168,8 @@ func (s *ScalingReport) markdown(b *strings.Builder) {
 		if q.ClientCPUPerGranted > 0 {
 			client = co.ClientCPUPerGranted / q.ClientCPUPerGranted
 		}
-		p("| %d | %d | %d | %.2f | %.2f | %.2f | %.3f | %.2f | %.2f |\n", q.Keys, q.Procs, q.Goroutines,
-			co.PerSec/q.PerSec, un.PerSec/q.PerSec, po.PerSec/q.PerSec, co.CallsPerGranted, cpu, client)
+		p("| %d | %d | %d | %s | %s | %.2f | %.3f | %.2f | %.2f |\n", q.Keys, q.Procs, q.Goroutines,
+			ratioCell(co, q), ratioCell(un, q), po.PerSec/q.PerSec, co.CallsPerGranted, cpu, client)
 	}
 	p("\n### Every point\n\n")
 	p("| keys | procs | goroutines | strategy | granted/s | calls/granted | server CPU µs/granted | command µs/granted | client CPU µs/granted | p50 | p99 | errors |\n")

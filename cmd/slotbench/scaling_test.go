@@ -51,6 +51,10 @@ func TestScalingSmall(t *testing.T) {
 		require.Positive(t, p.P50, name)
 		require.GreaterOrEqual(t, p.P99, p.P50, name)
 		require.Equal(t, 2, p.Goroutines, name)
+		require.Len(t, p.RoundPerSec, 2, name) // -scaling-rounds 2
+		for _, r := range p.RoundPerSec {
+			require.Positive(t, r, name)
+		}
 		switch p.Strategy {
 		case stratUncoalesced, stratRedisRate: // one call per request, whatever the machine's speed
 			require.InDelta(t, 1.0, p.CallsPerGranted, 0.001, name)
@@ -109,6 +113,32 @@ func TestScalingSmall(t *testing.T) {
 		"### Redis Cluster, 3 masters", "### Memory per key at scale", "](docs/scaling-throughput.png)"} {
 		require.Contains(t, md, section)
 	}
+	// Two rounds: each ratio of granted/s with its range over them.
+	require.Regexp(t, `\| \d+\.\d\d \(\d+\.\d\d–\d+\.\d\d\) \| \d+\.\d\d \(`, md)
+}
+
+// TestRoundSpread: the range is over the rounds' paired ratios, not the
+// ratio of the best round to the worst; one round gives no range.
+func TestRoundSpread(t *testing.T) {
+	a := ScalePoint{PerSec: 150, RoundPerSec: []float64{100, 200}}
+	b := ScalePoint{PerSec: 150, RoundPerSec: []float64{200, 100}}
+	lo, hi, ok := roundSpread(a, b)
+	require.True(t, ok)
+	require.Equal(t, 0.5, lo)
+	require.Equal(t, 2.0, hi)
+	require.Equal(t, "1.00 (0.50–2.00)", ratioCell(a, b))
+
+	b.RoundPerSec = []float64{0, 50}
+	lo, hi, ok = roundSpread(a, b)
+	require.True(t, ok)
+	require.Equal(t, 4.0, lo)
+	require.Equal(t, 4.0, hi)
+
+	a.RoundPerSec, b.RoundPerSec = []float64{150}, []float64{150}
+	require.Equal(t, "1.00", ratioCell(a, b))
+	_, _, ok = roundSpread(a, ScalePoint{})
+	require.False(t, ok)
+	require.Equal(t, "–", ratioCell(a, ScalePoint{}))
 }
 
 func TestScalingFlags(t *testing.T) {
