@@ -1,0 +1,99 @@
+package throttle
+
+import (
+	"context"
+	"fmt"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/slotbook/slotbook/internal/redistest"
+)
+
+// BenchmarkBook1Pipelining is a reference for a design not built: what
+// sending book1.lua's calls for different keys pipelined on one connection
+// would save, against one call per connection as the engine sends them.
+// It runs the bare script call (no engine) over 10,000 keys, from 4 and 64
+// goroutines, through a plain go-redis Client and through go-redis's own
+// full-duplex AutoPipeline (experimental in go-redis v9.23) on a server of
+// its own, and reports the server's CPU per call (used_cpu_sys +
+// used_cpu_user) beside ns/op.
+func BenchmarkBook1Pipelining(b *testing.B) {
+	srv := redistest.Start(b)
+	ctx := context.Background()
+	for _, mode := range []string{"client", "autopipeline"} {
+		for _, g := range []int{4, 64} {
+			b.Run(fmt.Sprintf("%s/goroutines=%d", mode, g), func(b *testing.B) {
+				o := srv.Options()
+				var p processor
+				rdb := redis.NewClient(o)
+				b.Cleanup(func() { _ = rdb.Close() })
+				p = rdb
+				if mode == "autopipeline" {
+					o.AutoPipelineOptions = &redis.AutoPipelineOptions{FullDuplex: true}
+					fd := redis.NewClient(o)
+					b.Cleanup(func() { _ = fd.Close() })
+					ap, err := fd.AutoPipeline()
+					if err != nil {
+						b.Fatal(err)
+					}
+					b.Cleanup(func() { _ = ap.Close() })
+					p = ap
+				}
+				if err := rdb.ScriptLoad(ctx, book1Script.src).Err(); err != nil {
+					b.Fatal(err)
+				}
+				keys := make([]string, 10_000)
+				for i := range keys {
+					keys[i] = "pipe:{" + strconv.Itoa(i) + "}"
+				}
+				// A limit never reached: every call books at once.
+				args := []any{"", 1, 1_000_000, 1, 1_000_000}
+				var next atomic.Int64
+				cpu0 := serverCPU(b, rdb)
+				b.SetParallelism(max(1, g/runtime.GOMAXPROCS(0))) // g goroutines
+				b.ResetTimer()
+				b.RunParallel(func(pb *testing.PB) {
+					k := int(next.Add(1)) * 7919
+					one := make([]string, 1)
+					for pb.Next() {
+						one[0] = keys[k%len(keys)]
+						k++
+						cmd := book1Script.cmd(ctx, "evalsha", book1Script.hash, one, args)
+						if err := p.Process(ctx, cmd); err != nil {
+							b.Error(err)
+							return
+						}
+					}
+				})
+				b.StopTimer()
+				b.ReportMetric((serverCPU(b, rdb)-cpu0)*1e6/float64(b.N), "server-µs/op")
+			})
+		}
+	}
+}
+
+// serverCPU is the server's used_cpu_sys + used_cpu_user, in seconds.
+func serverCPU(b *testing.B, rdb *redis.Client) float64 {
+	info, err := rdb.Info(context.Background(), "cpu").Result()
+	if err != nil {
+		b.Fatal(err)
+	}
+	var sum float64
+	for _, line := range strings.Split(info, "\r\n") {
+		for _, f := range []string{"used_cpu_sys:", "used_cpu_user:"} {
+			if v, ok := strings.CutPrefix(line, f); ok {
+				x, err := strconv.ParseFloat(v, 64)
+				if err != nil {
+					b.Fatal(err)
+				}
+				sum += x
+			}
+		}
+	}
+	return sum
+}
