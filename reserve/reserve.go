@@ -388,17 +388,19 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 		if _, ok := c.ctx.Deadline(); ok && now.IsZero() {
 			now = l.clock.Now()
 		}
+		if err := c.ctx.Err(); err != nil {
+			// Its caller is gone (a queued caller cancelled as its batch
+			// was taken, a pool job cancelled as it was booked): a slot
+			// booked for it would cost a second call to give back. Its
+			// answer is ReserveN's for an ended context, whatever its
+			// deadline.
+			c.res = &Reservation{lim: l, key: key, err: err}
+			continue
+		}
 		budget, bound := deadline.Budget(c.ctx, now, l.maxWait, l.work)
 		if budget < 0 {
 			c.res = &Reservation{lim: l, key: key, err: deadline.Refuse(bound, budget, 0)}
 			l.eng.Observer().ObserveDecision(l.name, throttle.Refused, 0)
-			continue
-		}
-		if err := c.ctx.Err(); err != nil {
-			// Its caller is gone (a queued caller cancelled as its batch
-			// was taken, a pool job cancelled as it was booked): a slot
-			// booked for it would cost a second call to give back.
-			c.res = &Reservation{lim: l, key: key, err: err}
 			continue
 		}
 		maxWait := budget
@@ -565,9 +567,9 @@ func (r *Reservation) OK() bool { return r.err == nil }
 
 // Err returns nil for a booked slot, and for a refusal a *deadline.Error
 // matching ErrMaxWaitExceeded or ErrWouldExceedDeadline (or, answered by
-// the fallback, a *FallbackError). In a ReserveBatch answered by the
-// fallback, a request whose own context ended meanwhile gets that
-// context's error.
+// the fallback, a *FallbackError). In a ReserveBatch, a request whose own
+// context had ended when the batch was sent, or (answered by the
+// fallback) ended meanwhile, gets that context's error.
 func (r *Reservation) Err() error { return r.err }
 
 // RetryAfter returns, for a refusal, the exact wait the slot would have
