@@ -638,7 +638,8 @@ func (r *Reservation) giveBack(ctx context.Context) {
 // nothing back (x/time/rate gives part, and can then let a later request
 // through early). A Pause made after the booking keeps its room too.
 //
-// Cancelling twice, or cancelling a refusal, does nothing. If Cancel
+// Once the slot has come nothing is given back, and Cancel makes no Redis
+// call. Cancelling twice, or cancelling a refusal, does nothing. If Cancel
 // returns an error (Redis unreachable, or its reply lost: errors.Is
 // throttle.ErrReplyLost), calling it again is safe: the engine gives a
 // booking back at most once.
@@ -655,6 +656,14 @@ func (r *Reservation) Cancel(ctx context.Context) error {
 		if r.local != nil {
 			r.lim.fallback.cancel(r.local)
 		}
+		r.canceled = true
+		return nil
+	}
+	if !r.act.After(r.lim.clock.Now()) {
+		// The slot has come: Redis would give nothing back, so no call
+		// is made. (The local time to act counts the wait from the
+		// reply's arrival, after Redis decided, so it never comes before
+		// the slot does on the Redis clock.)
 		r.canceled = true
 		return nil
 	}
