@@ -7,6 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/slotbook/slotbook/internal/testhook"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -53,4 +54,26 @@ func TestCancelAfterSlotMakesNoCall(t *testing.T) {
 	again, err := l.Reserve(ctx, "k")
 	require.NoError(t, err)
 	require.True(t, again.Booking().At.Equal(after.Booking().At), "the next booking takes the given-back slot")
+}
+
+// TestCancelOnTestClockAsksRedis: on the module's explicit test clock,
+// which does not move with local time, a slot still to come on that clock
+// is given back however much local time has passed, so tests that freeze
+// the clock stay exact on a slow machine.
+func TestCancelOnTestClockAsksRedis(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	l := e.limiter(t, throttle.PerSecond(10, 0)) // 100 ms apart
+	ctx := testhook.WithNow(context.Background(), time.Now().UnixMicro())
+	first, err := l.Reserve(ctx, "k")
+	require.NoError(t, err)
+	require.Zero(t, first.Booking().Wait)
+	r, err := l.Reserve(ctx, "k")
+	require.NoError(t, err)
+	require.Equal(t, 100*time.Millisecond, r.Booking().Wait)
+	time.Sleep(150 * time.Millisecond) // past SlotAt on the local clock
+	require.NoError(t, r.Cancel(ctx))
+	again, err := l.Reserve(ctx, "k")
+	require.NoError(t, err)
+	require.True(t, again.Booking().At.Equal(r.Booking().At), "given back: %v, %v", again.Booking().At, r.Booking().At)
 }

@@ -22,6 +22,7 @@ import (
 	"golang.org/x/time/rate"
 
 	"github.com/slotbook/slotbook/deadline"
+	"github.com/slotbook/slotbook/internal/testhook"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -421,6 +422,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 		keys = l.keysOf(key)
 	}
 	bs, err := l.eng.BookAll(ctx, keys, l.limits, reqs)
+	_, testClock := testhook.Now(ctx)
 	// The waits were measured on the Redis clock at some point before the
 	// reply arrived; counting them from the arrival never starts early.
 	arrived := l.clock.Now()
@@ -445,7 +447,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 			s.c.err = err
 			continue
 		}
-		r := &Reservation{lim: l, key: key, booking: bs[i]}
+		r := &Reservation{lim: l, key: key, booking: bs[i], testClock: testClock}
 		switch act := arrived.Add(bs[i].Wait); {
 		case !bs[i].OK:
 			r.err = deadline.Refuse(s.bound, s.budget, bs[i].Wait)
@@ -557,6 +559,9 @@ type Reservation struct {
 
 	fallback bool                // answered by the fallback, not Redis
 	local    []*rate.Reservation // LocalShare's bookings, one per limit
+	// testClock: booked on the module's explicit test clock, which does
+	// not move with local time, so Cancel always asks Redis.
+	testClock bool
 
 	mu       sync.Mutex // guards canceled
 	canceled bool
@@ -659,7 +664,7 @@ func (r *Reservation) Cancel(ctx context.Context) error {
 		r.canceled = true
 		return nil
 	}
-	if !r.act.After(r.lim.clock.Now()) {
+	if !r.testClock && !r.act.After(r.lim.clock.Now()) {
 		// The slot has come: Redis would give nothing back, so no call
 		// is made. (The local time to act counts the wait from the
 		// reply's arrival, after Redis decided, so it never comes before
