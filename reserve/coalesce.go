@@ -29,7 +29,8 @@ const defaultMaxQueue = 4 * throttle.MaxBatch
 // soloBelow: a caller that finds fewer callers of its key than this sends
 // its request at once, alone, even while a call is in flight. At 4 callers
 // on one key, queueing behind the call in flight served 0.65x the
-// reservations per second of sending alone (slotbench -scaling); from 16
+// reservations per second of sending alone (slotbench -scaling, the
+// 2026-12-03 05:52 run, before this rule); from 16
 // on, queueing serves more and makes a tenth of the calls or fewer.
 const soloBelow = 4
 
@@ -47,6 +48,9 @@ type call struct {
 
 	res *Reservation // set, or err, before wake says done
 	err error
+	// ended: not sent because its context had ended; res holds the
+	// context's error (ReserveN returns it as its error).
+	ended bool
 
 	// wake, made when the caller queues, says true if the caller is to
 	// lead the next batch (which it reads before sending it), and false

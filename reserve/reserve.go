@@ -310,6 +310,9 @@ func (l *Limiter) ReserveN(ctx context.Context, key string, n int) (*Reservation
 		return l.coalesced(k, c)
 	}
 	l.giveBackLate(ctx, k, l.book(ctx, k, []*call{c}), true)
+	if c.ended { // ended after the check above, before anything was sent
+		return nil, c.res.err
+	}
 	return c.res, c.err
 }
 
@@ -396,6 +399,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 			// answer is ReserveN's for an ended context, whatever its
 			// deadline.
 			c.res = &Reservation{lim: l, key: key, err: err}
+			c.ended = true
 			continue
 		}
 		budget, bound := deadline.Budget(c.ctx, now, l.maxWait, l.work)
