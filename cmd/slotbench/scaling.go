@@ -340,9 +340,11 @@ func (a *accum) add(results []loadResult, srv []serverStats) {
 		}
 	}
 	a.seconds += longest.Seconds()
+	rate := 0.0 // kept, so that round i stays at index i (roundSpread pairs them)
 	if longest > 0 {
-		a.rates = append(a.rates, float64(granted)/longest.Seconds())
+		rate = float64(granted) / longest.Seconds()
 	}
+	a.rates = append(a.rates, rate)
 	if a.srv == nil {
 		a.srv = make([]serverStats, len(srv))
 	}

@@ -23,7 +23,7 @@ func (s *ScalingReport) point(strat string, keys, procs, g int) (ScalePoint, boo
 // round with a rate for b.
 func roundSpread(a, b ScalePoint) (lo, hi float64, ok bool) {
 	for i := range min(len(a.RoundPerSec), len(b.RoundPerSec)) {
-		if b.RoundPerSec[i] <= 0 {
+		if a.RoundPerSec[i] <= 0 || b.RoundPerSec[i] <= 0 { // a round that did not run
 			continue
 		}
 		r := a.RoundPerSec[i] / b.RoundPerSec[i]
