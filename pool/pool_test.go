@@ -207,8 +207,18 @@ func TestCancelMidBacklogRefunds(t *testing.T) {
 	// jobs that ran, not after all eight slots.
 	b, err := proc.eng.Book(ctx, "api:{k}", limit, throttle.Request{N: 1, MaxWait: throttle.Forever})
 	require.NoError(t, err)
-	require.Less(t, b.Wait, time.Duration(ran.Load())*100*time.Millisecond+50*time.Millisecond,
-		"next wait %v after %d jobs ran", b.Wait, ran.Load())
+	if want := time.Duration(ran.Load())*100*time.Millisecond + 50*time.Millisecond; b.Wait >= want {
+		// Seen once beside a second suite, not reproduced since: say
+		// where each job's slot was.
+		for i, j := range jobs {
+			if r := j.Reservation(); r != nil {
+				t.Logf("job %d: %v, slot %v before the next, err %v", i, r.OK(), b.At.Sub(r.Booking().At), j.Err())
+			} else {
+				t.Logf("job %d: no reservation, err %v", i, j.Err())
+			}
+		}
+		t.Fatalf("next wait %v after %d jobs ran (want under %v)", b.Wait, ran.Load(), want)
+	}
 }
 
 // TestCloseRefundsAndEnds: Close gives back bookings not started, ends the
