@@ -177,22 +177,31 @@ func TestCancelComeKeepsOnlyWhatRefundWouldKeep(t *testing.T) {
 	})
 }
 
+// futureBooking returns a limiter of one slot per 500 ms over a proxy
+// adding latency each way, and the reservation of its second slot, still
+// to come.
+func futureBooking(t *testing.T, latency time.Duration) (*reserve.Limiter, *reserve.Reservation, *callcount.Counter) {
+	t.Helper()
+	eng, p, calls := latencyEngine(t)
+	p.SetLatency(latency)
+	l, err := reserve.New(eng, "api", throttle.PerSecond(2, 0)) // 500 ms apart
+	require.NoError(t, err)
+	_, err = l.Reserve(context.Background(), "k")
+	require.NoError(t, err)
+	r, err := l.Reserve(context.Background(), "k")
+	require.NoError(t, err)
+	require.Positive(t, r.Booking().Wait)
+	return l, r, calls
+}
+
 // TestCancelConcurrentGivesBackOnce: eight goroutines cancel one
 // future booking at once: one refund call, the room comes back once (the
 // next two bookings take the slot and the one an interval after it), and
 // later Cancels make no call.
 func TestCancelConcurrentGivesBackOnce(t *testing.T) {
 	t.Parallel()
-	eng, p, calls := latencyEngine(t)
-	p.SetLatency(10 * time.Millisecond)
+	l, r, calls := futureBooking(t, 10*time.Millisecond)
 	ctx := context.Background()
-	l, err := reserve.New(eng, "api", throttle.PerSecond(2, 0)) // 500 ms apart
-	require.NoError(t, err)
-	_, err = l.Reserve(ctx, "k")
-	require.NoError(t, err)
-	r, err := l.Reserve(ctx, "k")
-	require.NoError(t, err)
-	require.Positive(t, r.Booking().Wait)
 
 	before := calls.Load()
 	var wg sync.WaitGroup
@@ -221,16 +230,8 @@ func TestCancelConcurrentGivesBackOnce(t *testing.T) {
 // it); a Cancel after that makes no call.
 func TestWaitEndedGivesBackUnderLatency(t *testing.T) {
 	t.Parallel()
-	eng, p, calls := latencyEngine(t)
-	p.SetLatency(40 * time.Millisecond)
+	l, r, calls := futureBooking(t, 40*time.Millisecond)
 	ctx := context.Background()
-	l, err := reserve.New(eng, "api", throttle.PerSecond(2, 0)) // 500 ms apart
-	require.NoError(t, err)
-	_, err = l.Reserve(ctx, "k")
-	require.NoError(t, err)
-	r, err := l.Reserve(ctx, "k")
-	require.NoError(t, err)
-	require.Positive(t, r.Booking().Wait)
 
 	wctx, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
 	defer cancel()
