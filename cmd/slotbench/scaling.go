@@ -158,9 +158,10 @@ type ScalePoint struct {
 	P99                 time.Duration `json:"p99_ns"`
 	Nodes               []NodeStat    `json:"nodes,omitempty"`
 	// RoundPerSec is the granted requests per second of each round, in
-	// the order the rounds ran: the strategies of one round run back to
-	// back, so the ratio of two strategies' rates in the same round is a
-	// paired comparison (see roundSpread).
+	// the order the rounds ran (0 for a round that did not run): every
+	// round runs each strategy once, one after another, so the ratio of
+	// two strategies' rates in the same round is a paired comparison (see
+	// roundSpread).
 	RoundPerSec []float64 `json:"round_granted_per_sec,omitempty"`
 }
 
