@@ -389,9 +389,6 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 	)
 	reqs, out := reqBuf[:0], outBuf[:0]
 	for _, c := range calls {
-		if _, ok := c.ctx.Deadline(); ok && now.IsZero() {
-			now = l.clock.Now()
-		}
 		if err := c.ctx.Err(); err != nil {
 			// Its caller is gone (a queued caller cancelled as its batch
 			// was taken, a pool job cancelled as it was booked): a slot
@@ -401,6 +398,9 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 			c.res = &Reservation{lim: l, key: key, err: err}
 			c.ended = true
 			continue
+		}
+		if _, ok := c.ctx.Deadline(); ok && now.IsZero() {
+			now = l.clock.Now()
 		}
 		budget, bound := deadline.Budget(c.ctx, now, l.maxWait, l.work)
 		if budget < 0 {
@@ -426,7 +426,6 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 		keys = l.keysOf(key)
 	}
 	bs, err := l.eng.BookAll(ctx, keys, l.limits, reqs)
-	_, testClock := testhook.Now(ctx)
 	// The waits were measured on the Redis clock at some point before the
 	// reply arrived; counting them from the arrival never starts early.
 	arrived := l.clock.Now()
@@ -451,7 +450,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 			s.c.err = err
 			continue
 		}
-		r := &Reservation{lim: l, key: key, booking: bs[i], testClock: testClock}
+		r := &Reservation{lim: l, key: key, booking: bs[i]}
 		switch act := arrived.Add(bs[i].Wait); {
 		case !bs[i].OK:
 			r.err = deadline.Refuse(s.bound, s.budget, bs[i].Wait)
@@ -563,9 +562,6 @@ type Reservation struct {
 
 	fallback bool                // answered by the fallback, not Redis
 	local    []*rate.Reservation // LocalShare's bookings, one per limit
-	// testClock: booked on the module's explicit test clock, which does
-	// not move with local time, so Cancel always asks Redis.
-	testClock bool
 
 	mu       sync.Mutex // guards canceled
 	canceled bool
@@ -668,11 +664,13 @@ func (r *Reservation) Cancel(ctx context.Context) error {
 		r.canceled = true
 		return nil
 	}
-	if !r.testClock && !r.act.After(r.lim.clock.Now()) {
+	if _, test := testhook.Now(ctx); !test && !r.act.After(r.lim.clock.Now()) {
 		// The slot has come: Redis would give nothing back, so no call
 		// is made. (The local time to act counts the wait from the
 		// reply's arrival, after Redis decided, so it never comes before
-		// the slot does on the Redis clock.)
+		// the slot does on the Redis clock. The refund runs on ctx's
+		// clock: the module's explicit test clock, which does not move
+		// with local time, is left to Redis to judge.)
 		r.canceled = true
 		return nil
 	}
