@@ -204,13 +204,8 @@ func TestCoalescingCallerCountNotLeaked(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	g := newGate(e.rdb)
-	obs := &panicky{}
-	eng, err := throttle.New(e.rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second), throttle.WithObserver(obs))
-	require.NoError(t, err)
-	l, err := reserve.New(eng, "api", throttle.PerSecond(1000, 100), reserve.WithMaxWait(0))
-	require.NoError(t, err)
+	l, obs := panickyLimiter(t, e, reserve.WithMaxWait(0))
 	ctx := context.Background()
-	require.NoError(t, eng.Load(ctx))
 
 	done := make(chan any, 64)
 	start := func(ctx context.Context) {

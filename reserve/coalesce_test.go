@@ -269,6 +269,19 @@ func (o *panicky) ObserveCall(string, time.Duration, error) {}
 func (o *panicky) ObserveRefund(string, time.Duration)      {}
 func (o *panicky) ObserveBreaker(bool)                      {}
 
+// panickyLimiter returns a limiter of 1000/s burst 100 on e, whose
+// engine's Observer is the panicky one it returns, its scripts loaded.
+func panickyLimiter(t *testing.T, e *env, opts ...reserve.Option) (*reserve.Limiter, *panicky) {
+	t.Helper()
+	obs := &panicky{}
+	eng, err := throttle.New(e.rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second), throttle.WithObserver(obs))
+	require.NoError(t, err)
+	require.NoError(t, eng.Load(context.Background()))
+	l, err := reserve.New(eng, "api", throttle.PerSecond(1000, 100), opts...)
+	require.NoError(t, err)
+	return l, obs
+}
+
 // TestCoalescingObserverPanic: an Observer that panics while a coalesced
 // call is in flight panics on its sender's stack, and the key is not left
 // marked busy: the callers queued behind it are served, and so is the next
@@ -277,14 +290,9 @@ func TestCoalescingObserverPanic(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	g := newGate(e.rdb)
-	obs := &panicky{}
-	eng, err := throttle.New(e.rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second), throttle.WithObserver(obs))
-	require.NoError(t, err)
-	l, err := reserve.New(eng, "api", throttle.PerSecond(1000, 100))
-	require.NoError(t, err)
+	l, obs := panickyLimiter(t, e)
 	reserve.SetSoloBelow(l, 1)
 	ctx := context.Background()
-	require.NoError(t, eng.Load(ctx))
 
 	type result struct {
 		r        *reserve.Reservation
