@@ -664,14 +664,8 @@ func (r *Reservation) Cancel(ctx context.Context) error {
 		r.canceled = true
 		return nil
 	}
-	if _, test := testhook.Now(ctx); !test && !r.act.After(r.lim.clock.Now()) {
-		// The slot has come: Redis would give nothing back, so no call
-		// is made. (The local time to act counts the wait from the
-		// reply's arrival, after Redis decided, so it never comes before
-		// the slot does on the Redis clock. The refund runs on ctx's
-		// clock: the module's explicit test clock, which does not move
-		// with local time, is left to Redis to judge.)
-		r.canceled = true
+	if r.slotCome(ctx) {
+		r.canceled = true // Redis would give nothing back: no call
 		return nil
 	}
 	if _, err := r.lim.eng.RefundAll(ctx, r.lim.keysOf(r.key), r.lim.limits, r.booking); err != nil {
@@ -679,6 +673,22 @@ func (r *Reservation) Cancel(ctx context.Context) error {
 	}
 	r.canceled = true
 	return nil
+}
+
+// slotCome reports whether the refund Cancel would send on ctx would find
+// the slot come, and so give nothing back. The refund runs on ctx's clock:
+// Redis's, unless ctx carries the module's explicit test clock, which is
+// then compared with the slot as Redis would. On Redis's clock the slot has
+// come once the local time to act has, since that counts the wait from the
+// reply's arrival, after Redis decided; the slot on the Redis clock must
+// have passed locally too, in case the booking was made on a test clock
+// ahead of it.
+func (r *Reservation) slotCome(ctx context.Context) bool {
+	if now, test := testhook.Now(ctx); test {
+		return now >= r.booking.At.UnixMicro()
+	}
+	now := r.lim.clock.Now()
+	return !r.act.After(now) && !r.booking.At.After(now)
 }
 
 // clock is the seam through which the Limiter reads local time and sleeps,
