@@ -84,18 +84,24 @@ end
 `
 
 // retryTail records the booking in the index if its wait exceeds
-// KeepFrom, keeps the index alive until its last entry is spent, and adds
-// the due entries to book.lua's reply.
+// KeepFrom, keeps the index alive until its last entry is spent, and
+// answers {now, status (0 refused, 1 booked, 3 booked and recorded),
+// wait, tat_1 .. tat_m, the due entries}, from book.lua's reply for the
+// one request {now, tat_1 .. tat_m, w}.
 const retryTail = `
-if out[2] == 1 and out[3] > idx_keep then
-  redis.call('ZADD', idx_key, string.format('%d', now + out[3]), idx_member)
+local status, wait = 1, out[#out]
+if wait < 0 then status, wait = 0, -1 - wait end
+if status == 1 and wait > idx_keep then
+  redis.call('ZADD', idx_key, string.format('%d', now + wait), idx_member)
   local last = redis.call('ZRANGE', idx_key, -1, -1, 'WITHSCORES')
   local ttl = math.ceil((tonumber(last[2]) - now + idx_spent) / 1000) + 1
   redis.call('PEXPIRE', idx_key, string.format('%d', ttl))
-  out[2] = 3
+  status = 3
 end
-out[#out + 1] = idx_due()
-return out
+local reply = {now, status, wait}
+for i = 1, m do reply[3 + i] = out[1 + i] end
+reply[4 + m] = idx_due()
+return reply
 `
 
 // bookRetryBody is book.lua with retryTail in place of its final return.
@@ -129,13 +135,13 @@ func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, r
 		return RetryBooking{}, fmt.Errorf("%w: retry index %q, member %q: want a member, the rate keys' hash tag, and MaxDue and Since not negative", ErrInvalidRequest, idx.Key, idx.Member)
 	}
 	m := len(keys)
-	args := make([]any, 0, 2+2*m+2+7+len(idx.Forget))
+	args := make([]any, 0, 2+2*m+3+7+len(idx.Forget))
 	args = append(args, nowArg(ctx), m)
 	for _, l := range limits {
 		I := l.intervalMicros()
 		args = append(args, I, I*int64(l.Burst))
 	}
-	args = append(args, req.N, int64(min(req.MaxWait, MaxHorizon)/time.Microsecond))
+	args = append(args, 1, req.N, int64(min(req.MaxWait, MaxHorizon)/time.Microsecond)) // book.lua's run of one request
 	args = append(args, idx.Member, int64(idx.KeepFrom/time.Microsecond), int64(idx.Window/time.Microsecond), idx.MaxDue,
 		int64(retrySpent/time.Microsecond), int64((idx.Since+time.Microsecond-1)/time.Microsecond)) // Since rounded up: a positive one stays positive
 	for i := len(idx.Forget) - 1; i >= 0; i-- { // popped from the end

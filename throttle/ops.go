@@ -146,7 +146,7 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 		return nil, fmt.Errorf("%w: batch of %d requests (want 1 to %d)", ErrInvalidRequest, len(reqs), MaxBatch)
 	}
 	m := len(keys)
-	args := make([]any, 0, 2+2*m+2*len(reqs))
+	args := make([]any, 0, 2+2*m+3*len(reqs))
 	args = append(args, nowArg(ctx))
 	script := book1Script
 	if m > 1 || len(reqs) > 1 {
@@ -157,7 +157,9 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 		I := l.intervalMicros()
 		args = append(args, I, I*int64(l.Burst))
 	}
-	for _, r := range reqs {
+	// book.lua takes runs of requests alike: (count, n, max wait).
+	count, lastW := 0, int64(-1)
+	for i, r := range reqs {
 		for _, l := range limits {
 			if err := checkRequest(r, l); err != nil {
 				return nil, err
@@ -165,12 +167,23 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 		}
 		// Rounded down: a wait of a whole microsecond more than MaxWait is
 		// more than the caller accepts.
-		args = append(args, r.N, int64(min(r.MaxWait, MaxHorizon)/time.Microsecond))
+		w := int64(min(r.MaxWait, MaxHorizon) / time.Microsecond)
+		switch {
+		case script == book1Script:
+			args = append(args, r.N, w)
+		case count > 0 && r.N == reqs[i-1].N && w == lastW:
+			count++
+			args[len(args)-3] = count
+		default:
+			count, lastW = 1, w
+			args = append(args, count, r.N, w)
+		}
 	}
 
-	// Both scripts answer {now, then per request: booked, wait, m TATs}.
-	per := 2 + m
-	want := 1 + per*len(reqs)
+	// Both scripts answer {now, tat_1 .. tat_m, then per request: its wait
+	// if booked, -1 - wait if refused}: the TATs the first request was
+	// judged against.
+	want := 1 + m + len(reqs)
 	reply, err := e.runReply(ctx, script, keys, args)
 	var vals []int64
 	if err == nil {
@@ -184,24 +197,26 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 	now := vals[0]
 	out := make([]Booking, len(reqs))
 	ends := vals[want : want+m*len(reqs)]
+	// tats: what the next request is judged against, as the script judged
+	// it: where the last booking left each limit. Bookings share these
+	// slices and never write them.
+	tats := vals[1 : 1+m : 1+m]
 	for i, r := range reqs {
-		v := vals[1+per*i : 1+per*(i+1) : 1+per*(i+1)]
-		b := Booking{
-			OK:     v[0] == 1,
-			N:      r.N,
-			Wait:   time.Duration(v[1]) * time.Microsecond,
-			At:     time.UnixMicro(now + v[1]),
-			now:    now,
-			starts: v[2:],
-			ends:   v[2:],
+		w := vals[1+m+i]
+		b := Booking{OK: w >= 0, N: r.N, now: now, starts: tats, ends: tats}
+		if !b.OK {
+			w = -1 - w
 		}
+		b.Wait = time.Duration(w) * time.Microsecond
+		b.At = time.UnixMicro(now + w)
 		if b.OK { // each limit advanced from the slot: tat = max(tat, slot) + n*I
-			slot := now + v[1]
+			slot := now + w
 			b.id = rand.Uint64()
 			b.ends = ends[m*i : m*(i+1) : m*(i+1)]
 			for k, l := range limits {
 				b.ends[k] = max(b.starts[k], slot) + int64(r.N)*l.intervalMicros()
 			}
+			tats = b.ends
 		}
 		out[i] = b
 	}

@@ -41,6 +41,9 @@ type vector struct {
 	Argv   []string             `json:"argv"`
 	Before map[string]*keyState `json:"before"`
 	Reply  json.RawMessage      `json:"reply"`
+	// Judged: for book, the TATs each request is judged against, worked
+	// out by hand (the reply carries only the first request's).
+	Judged [][]int64            `json:"judged"`
 	Error  string               `json:"error"`
 	After  map[string]*keyState `json:"after"`
 }
@@ -375,13 +378,21 @@ func runEngineVector(t *testing.T, srv *redistest.Server, v vector) {
 			break
 		}
 		require.NoError(t, err)
-		per := 2 + len(in.Keys)
+		// {now, tat_1 .. tat_m, then per request: wait, or -1 - wait if refused}
+		m := len(in.Keys)
+		judged := v.Judged
+		if v.Script == "book1" {
+			judged = [][]int64{want[1 : 1+m]}
+		}
+		require.Len(t, judged, len(bs), "the TATs each request is judged against")
+		require.Equal(t, want[1:1+m], judged[0], "the reply's TATs are the first request's")
 		for i, b := range bs {
-			r := want[1+per*i : 1+per*(i+1)]
-			require.Equal(t, r[0] == 1, b.OK, "request %d booked", i)
-			require.Equal(t, time.Duration(r[1])*time.Microsecond, b.Wait, "request %d wait", i)
-			require.Equal(t, time.UnixMicro(v.Now+r[1]), b.At, "request %d slot", i)
-			require.Equal(t, r[2:], b.starts, "request %d judged against", i)
+			w := want[1+m+i]
+			wait := max(w, -1-w)
+			require.Equal(t, w >= 0, b.OK, "request %d booked", i)
+			require.Equal(t, time.Duration(wait)*time.Microsecond, b.Wait, "request %d wait", i)
+			require.Equal(t, time.UnixMicro(v.Now+wait), b.At, "request %d slot", i)
+			require.Equal(t, judged[i], b.starts, "request %d judged against", i)
 		}
 	case "refund":
 		bk := in.Booking
