@@ -131,7 +131,8 @@ func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
 // back. Waiting for a free connection, nothing is sent yet, so c's end
 // ends the wait (waitbound).
 func (l *Limiter) sendAlone(key string, c *call) (*Reservation, error) {
-	l.giveBackLate(c.ctx, key, l.book(waitbound.Detach(c.ctx), key, c.alone()), true)
+	k := l.subjectKey(key)
+	l.giveBackLate(c.ctx, k, l.book(waitbound.Detach(c.ctx), k, c.alone()), true)
 	return c.finish()
 }
 
@@ -206,9 +207,10 @@ func (l *Limiter) send(ctx context.Context, key string, batch []*call) {
 	if len(batch) == 1 {
 		bctx = waitbound.Detach(ctx)
 	}
-	late := l.book(bctx, key, batch)
+	k := l.subjectKey(key)
+	late := l.book(bctx, k, batch)
 	l.handOn(key, batch)
-	l.giveBackLate(ctx, key, late, len(batch) == 1)
+	l.giveBackLate(ctx, k, late, len(batch) == 1)
 }
 
 // handOn names the first caller queued meanwhile the key's next leader,

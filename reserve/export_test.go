@@ -11,10 +11,9 @@ func SetSoloBelow(l *Limiter, n int) { l.soloBelow = n }
 
 // QueueLen returns how many callers are queued for subject key of l.
 func QueueLen(l *Limiter, key string) int {
-	k, _ := l.engineKey(key)
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if q := l.queues[k]; q != nil {
+	if q := l.queues[key]; q != nil {
 		return len(q.pending)
 	}
 	return 0

@@ -53,8 +53,8 @@ type Limiter struct {
 	maxQueue  int
 	soloBelow int
 	mu        sync.Mutex        // guards queues and callers
-	queues    map[string]*queue // per engine key, while a call is in flight
-	callers   map[string]int    // per engine key, callers in coalesced
+	queues    map[string]*queue // per subject key, while a call is in flight
+	callers   map[string]int    // per subject key, callers in coalesced
 }
 
 // An Option configures a Limiter in New.
@@ -220,18 +220,31 @@ func (l *Limiter) CheckKey(key string) error {
 // engineKey returns the engine key (before the engine's prefix) of the
 // first limit for subject key: "name:{key}".
 func (l *Limiter) engineKey(key string) (string, error) {
-	if key == "" {
-		return "", fmt.Errorf("%w: empty key", throttle.ErrInvalidRequest)
-	}
-	k := l.name + ":{" + key + "}"
-	if len(k)+24 > throttle.MaxKeyLen { // room for a period suffix
-		return "", fmt.Errorf("%w: key of %d bytes", throttle.ErrInvalidRequest, len(key))
-	}
-	if err := throttle.CheckKey(k); err != nil { // a subject such as "}" leaves no hash tag
+	if err := l.checkSubject(key); err != nil {
 		return "", err
 	}
-	return k, nil
+	return l.subjectKey(key), nil
 }
+
+// checkSubject reports whether subject key makes an engine key the engine
+// accepts, without building it: a caller's own check, before anything is
+// sent (coalesced callers build the key once per batch).
+func (l *Limiter) checkSubject(key string) error {
+	switch {
+	case key == "":
+		return fmt.Errorf("%w: empty key", throttle.ErrInvalidRequest)
+	case len(l.name)+len(":{}")+len(key)+24 > throttle.MaxKeyLen: // room for a period suffix
+		return fmt.Errorf("%w: key of %d bytes", throttle.ErrInvalidRequest, len(key))
+	case key[0] == '}':
+		// The name holds no brace, so the hash tag of "name:{key}" ends at
+		// key's first '}': a subject such as "}" leaves none.
+		return throttle.CheckKey(l.subjectKey(key))
+	}
+	return nil
+}
+
+// subjectKey is "name:{key}", the engine key of the first limit.
+func (l *Limiter) subjectKey(key string) string { return l.name + ":{" + key + "}" }
 
 // keysOf returns the engine keys of every limit, given the first's: the
 // others end in their period in whole milliseconds, ":86400000ms" for a
@@ -295,8 +308,7 @@ func (l *Limiter) Reserve(ctx context.Context, key string) (*Reservation, error)
 // once; more callers arriving while a call is in flight go together in the
 // next one, each judged on its own budget.
 func (l *Limiter) ReserveN(ctx context.Context, key string, n int) (*Reservation, error) {
-	k, err := l.engineKey(key)
-	if err != nil {
+	if err := l.checkSubject(key); err != nil {
 		return nil, err
 	}
 	if err := l.checkN(n); err != nil {
@@ -307,8 +319,9 @@ func (l *Limiter) ReserveN(ctx context.Context, key string, n int) (*Reservation
 	}
 	c := &call{ctx: ctx, n: n}
 	if l.coalesce {
-		return l.coalesced(k, c)
+		return l.coalesced(key, c)
 	}
+	k := l.subjectKey(key)
 	l.giveBackLate(ctx, k, l.book(ctx, k, []*call{c}), true)
 	if c.ended { // ended after the check above, before anything was sent
 		return nil, c.res.err
