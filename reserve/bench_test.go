@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"runtime"
+	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -143,22 +144,40 @@ type instantRedis struct{}
 
 func (instantRedis) reply(ctx context.Context, args []any) *redis.Cmd {
 	m, reqs := 1, 1
-	if len(args) != 5 { // the batch script: now, m, m limits, n requests
+	if len(args) != 5 { // book.lua: now, m, m limits, then runs (count, n, max wait)
 		m = args[1].(int)
-		reqs = (len(args) - 2 - 2*m) / 2
-	}
-	now := time.Now().UnixMicro()
-	vals := make([]any, 0, 1+(2+m)*reqs)
-	vals = append(vals, now)
-	for i := 0; i < reqs; i++ {
-		vals = append(vals, int64(1), int64(0))
-		for k := 0; k < m; k++ {
-			vals = append(vals, now+int64(i+1))
+		reqs = 0
+		for i := 2 + 2*m; i+2 < len(args); i += 3 {
+			reqs += toInt(args[i])
 		}
+	}
+	// {now, tat_1..tat_m, then a wait per request}: every key is free
+	// (tat = now) and every request booked at once (wait 0).
+	now := time.Now().UnixMicro()
+	vals := make([]any, 1+m+reqs)
+	for i := range vals {
+		vals[i] = int64(0)
+	}
+	for i := 0; i <= m; i++ {
+		vals[i] = now
 	}
 	cmd := redis.NewCmd(ctx)
 	cmd.SetVal(vals)
 	return cmd
+}
+
+// toInt reads a run's count, as the engine passes it.
+func toInt(v any) int {
+	switch v := v.(type) {
+	case int:
+		return v
+	case int64:
+		return int(v)
+	case string:
+		n, _ := strconv.Atoi(v)
+		return n
+	}
+	panic(fmt.Sprintf("instantRedis: argument %T", v))
 }
 
 func (r instantRedis) Eval(ctx context.Context, _ string, _ []string, args ...any) *redis.Cmd {
