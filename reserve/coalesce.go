@@ -203,9 +203,11 @@ func (l *Limiter) send(ctx context.Context, key string, batch []*call) {
 	// cancellation must not fail their call (the engine's timeout bounds it).
 	// A batch of the sender alone fails no one else's: its wait for a free
 	// connection, before anything is sent, ends with the sender's context.
-	bctx := context.WithoutCancel(ctx)
+	var bctx context.Context
 	if len(batch) == 1 {
 		bctx = waitbound.Detach(ctx)
+	} else {
+		bctx = context.WithoutCancel(ctx)
 	}
 	k := l.subjectKey(key)
 	late := l.book(bctx, k, batch)
