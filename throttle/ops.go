@@ -146,7 +146,7 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 		return nil, fmt.Errorf("%w: batch of %d requests (want 1 to %d)", ErrInvalidRequest, len(reqs), MaxBatch)
 	}
 	m := len(keys)
-	args := make([]any, 0, 2+2*m+3*len(reqs))
+	args := cmdArgs(m, 2+2*m+3*len(reqs))
 	args = append(args, nowArg(ctx))
 	script := book1Script
 	if m > 1 || len(reqs) > 1 {
@@ -184,7 +184,7 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 	// if booked, -1 - wait if refused}: the TATs the first request was
 	// judged against.
 	want := 1 + m + len(reqs)
-	reply, err := e.runReply(ctx, script, keys, args)
+	reply, err := e.runCmd(ctx, script, keys, args)
 	var vals []int64
 	if err == nil {
 		// Room after the reply's values for every booking's ends: one
@@ -325,6 +325,12 @@ func (e *Engine) run(ctx context.Context, s *script, keys []string, args []any, 
 // node that holds them, within the timeout, and classifies its error (see
 // classify).
 func (e *Engine) runReply(ctx context.Context, s *script, keys []string, args []any) (any, error) {
+	return e.runCmd(ctx, s, keys, append(cmdArgs(len(keys), len(args)), args...))
+}
+
+// runCmd is runReply with the script's arguments after a's head (see
+// cmdArgs).
+func (e *Engine) runCmd(ctx context.Context, s *script, keys []string, a []any) (any, error) {
 	full := make([]string, len(keys))
 	for i, k := range keys {
 		full[i] = e.prefix + k
@@ -390,7 +396,7 @@ func (e *Engine) runReply(ctx context.Context, s *script, keys []string, args []
 	}
 	callCtx, cancel := e.bound(ctx, timeout, now)
 	defer cancel()
-	reply, err := s.run(callCtx, e.rdb, full, args)
+	reply, err := s.runCmd(callCtx, e.rdb, full, a)
 	end := time.Now()
 	err = e.classify(ctx, callCtx, ref, full[0], probe, now, end, err)
 	if err != nil && e.slots != nil && errors.Is(err, ErrUnavailable) {

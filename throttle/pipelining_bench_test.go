@@ -59,11 +59,10 @@ func BenchmarkBook1Pipelining(b *testing.B) {
 				b.ResetTimer()
 				b.RunParallel(func(pb *testing.PB) {
 					k := int(next.Add(1)) * 7919
-					one := make([]string, 1)
 					for pb.Next() {
-						one[0] = keys[k%len(keys)]
+						key := keys[k%len(keys)]
 						k++
-						cmd := book1Script.cmd(ctx, "evalsha", book1Script.hash, one, args)
+						cmd := redis.NewCmd(ctx, append([]any{"evalsha", book1Script.hash, 1, key}, args...)...)
 						if err := p.Process(ctx, cmd); err != nil {
 							b.Error(err)
 							return

@@ -47,25 +47,35 @@ func (onceCmd) NoRetry() bool { return true }
 
 // run runs s on keys with args through rdb and returns its reply.
 func (s *script) run(ctx context.Context, rdb redis.Scripter, keys []string, args []any) (any, error) {
+	return s.runCmd(ctx, rdb, keys, append(cmdArgs(len(keys), len(args)), args...))
+}
+
+// cmdArgs returns a command's argument list with room for nargs script
+// arguments after its head: the command's name, the script, the number of
+// keys and nkeys keys, which runCmd fills in. A caller that appends its
+// arguments to it saves run's copy of them, and an allocation.
+func cmdArgs(nkeys, nargs int) []any {
+	return make([]any, 3+nkeys, 3+nkeys+nargs)
+}
+
+// runCmd is run with the arguments after a's head (see cmdArgs).
+func (s *script) runCmd(ctx context.Context, rdb redis.Scripter, keys []string, a []any) (any, error) {
+	head := 3 + len(keys)
 	p, ok := rdb.(processor)
 	if !ok {
-		return s.Run(ctx, rdb, keys, args...).Result()
+		return s.Run(ctx, rdb, keys, a[head:]...).Result()
 	}
-	cmd := s.cmd(ctx, "evalsha", s.hash, keys, args)
+	a[0], a[1], a[2] = "evalsha", s.hash, len(keys)
+	for i, k := range keys {
+		a[3+i] = k
+	}
+	cmd := onceCmd{redis.NewCmd(ctx, a...)}
 	// HasErrorPrefix(nil, ...) allocates: look only at an error.
 	if err := p.Process(ctx, cmd); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
-		cmd = s.cmd(ctx, "eval", s.body, keys, args)
+		// A new list: the first command keeps its own.
+		b := append([]any{"eval", s.body}, a[2:]...)
+		cmd = onceCmd{redis.NewCmd(ctx, b...)}
 		_ = p.Process(ctx, cmd)
 	}
 	return cmd.Result()
-}
-
-func (s *script) cmd(ctx context.Context, name, body any, keys []string, args []any) onceCmd {
-	a := make([]any, 0, 3+len(keys)+len(args))
-	a = append(a, name, body, len(keys))
-	for _, k := range keys {
-		a = append(a, k)
-	}
-	a = append(a, args...)
-	return onceCmd{redis.NewCmd(ctx, a...)}
 }

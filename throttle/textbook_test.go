@@ -270,3 +270,24 @@ func TestEveryOpAfterScriptFlushCluster(t *testing.T) {
 		}))
 	})
 }
+
+// scripterOnly hides every method of a client but the Scripter's: the
+// engine then runs its scripts through go-redis's Script.Run.
+type scripterOnly struct{ redis.Scripter }
+
+// TestEveryOpAfterScriptFlushScripterOnly: the same through a client that
+// offers only the Scripter methods, so that the engine's calls go through
+// go-redis's Script.Run with the scripts' arguments alone.
+func TestEveryOpAfterScriptFlushScripterOnly(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	rdb := srv.Client(t)
+	eng, prefix := textbookEngine(t, scripterOnly{rdb})
+	ctx := context.Background()
+	flushes := 0
+	opsAfterFlush(t, eng, func(k string) (int64, error) { return rdb.Get(ctx, prefix+k).Int64() }, func() {
+		require.NoError(t, rdb.ScriptFlush(ctx).Err())
+		flushes++
+	})
+	require.Positive(t, flushes)
+}
