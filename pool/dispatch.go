@@ -76,20 +76,11 @@ func earliest(a, b time.Time) time.Time {
 	return a
 }
 
-// takeRefundsLocked moves the booked jobs that will not run (their context
-// has ended, or the pool is closed) to refunding, and returns them, the
-// latest booking first. It takes every such job at once, also those whose
-// cancellation has not reached the pool yet (contexts shared by many jobs
-// end at once), because a booking can be given back only while no later
-// booking is live on its key. p.mu is held.
+// takeRefundsLocked moves the booked jobs that will not run (see
+// refundable) to refunding, and returns them, the latest booking first.
+// p.mu is held.
 func (p *Pool) takeRefundsLocked() []*Job {
-	var js []*Job
-	for _, j := range p.slots {
-		if j.ctx.Err() != nil || p.closed {
-			js = append(js, j)
-		}
-	}
-	slices.SortFunc(js, func(a, b *Job) int { return cmp.Compare(b.seq, a.seq) })
+	js := refundable(p.slots, p.closed)
 	for _, j := range js {
 		err := j.ctx.Err()
 		if err == nil {
@@ -97,6 +88,31 @@ func (p *Pool) takeRefundsLocked() []*Job {
 		}
 		p.moveLocked(j, refunding, err)
 	}
+	return js
+}
+
+// refundable returns the jobs of booked that will not run (their context
+// has ended, or the pool is closed), the latest booking first. It takes
+// every such job at once, also those whose cancellation has not reached
+// the pool yet (contexts shared by many jobs end at once), because a
+// booking can be given back only while no later booking is live on its
+// key.
+//
+// It looks at the contexts in booking order, earliest first. A context
+// that several jobs share and that ends while it looks is then seen ended
+// for every booking from some point on: it takes the latest of them, and
+// the earlier ones at its next look, to be given back after them, in
+// full. Looked at in another order (the slot heap's), it could take an
+// earlier booking and miss a later one that still stands on it: the
+// earlier one would give nothing back, and nor would any booked before it.
+func refundable(booked []*Job, closed bool) []*Job {
+	if !closed && !slices.ContainsFunc(booked, func(j *Job) bool { return j.ctx.Err() != nil }) {
+		return nil // the common case: nothing to give back, nothing sorted
+	}
+	js := slices.Clone(booked)
+	slices.SortFunc(js, func(a, b *Job) int { return cmp.Compare(a.seq, b.seq) })
+	js = slices.DeleteFunc(js, func(j *Job) bool { return !closed && j.ctx.Err() == nil })
+	slices.Reverse(js)
 	return js
 }
 
