@@ -3,6 +3,7 @@ package pool_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -45,17 +46,27 @@ func TestRunsPoolGivesBackBatch(t *testing.T) {
 		require.NoError(t, err)
 		jobs = append(jobs, j)
 	}
-	// The first job's slot is immediate: it runs at once. Then until
-	// all 13 are booked: the first key's TAT 13 intervals from its slot.
+	// The first job's slot is immediate: it runs at once. Then until at
+	// least one more is booked: the first key's TAT two intervals from the
+	// first slot or more. Not until all 13 are: submitted faster than the
+	// dispatcher books (the usual case) they go in one batch, but on a busy
+	// machine the dispatcher may take them a few at a time, and once more
+	// than a quarter of the workers hold booked jobs the pool books again
+	// only when the booked ones fall back to a quarter, a slot (10 s) at a
+	// time; the bookings cover those slots meanwhile. Waiting for all 13
+	// took 10 to 50 s in some runs beside a full suite, and failed one
+	// suite at 60 s.
 	at := first.Reservation().Booking().At.UnixMicro()
 	require.Zero(t, first.Reservation().Booking().Wait)
 	keys := []string{prefix + "rvp:{s}", prefix + "rvp:{s}:86400000ms"}
 	waitFrom := time.Now()
+	var booked int64
 	require.Eventually(t, func() bool {
 		v, err := rdb.Get(context.Background(), keys[0]).Int64()
-		return err == nil && v == at+13*10_000_000
-	}, 60*time.Second, 5*time.Millisecond, "every job booked")
-	t.Logf("all booked %v after the first job ran", time.Since(waitFrom))
+		booked = (v - at) / 10_000_000
+		return err == nil && booked >= 2
+	}, 60*time.Second, 5*time.Millisecond, "a job booked after the first")
+	t.Logf("%d booked %v after the first job ran", booked, time.Since(waitFrom))
 	cancel()
 	require.NoError(t, p.Wait(context.Background()))
 	require.NoError(t, first.Err())
@@ -65,6 +76,21 @@ func TestRunsPoolGivesBackBatch(t *testing.T) {
 	// left: its slot plus one interval of each limit (every slot is 10 s
 	// after the one before, so the second limit's TAT is the slot's).
 	latest, given := at, 0
+	// What each job came to, for a failure's message: its error, and its
+	// slot in ms after the first job's if it was booked.
+	var story []string
+	for _, j := range jobs {
+		e := fmt.Sprint(j.Err())
+		if r := j.Reservation(); r != nil && r.Booking().OK {
+			e += fmt.Sprintf(" @%dms", (r.Booking().At.UnixMicro()-at)/1000)
+		}
+		story = append(story, e)
+	}
+	defer func() {
+		if t.Failed() {
+			t.Logf("jobs: %q", story)
+		}
+	}()
 	for i, j := range jobs {
 		switch err := j.Err(); {
 		case err == nil:
