@@ -26,9 +26,7 @@ func TestRunsFullBatchOneRun(t *testing.T) {
 	rdb := srv.Client(t)
 	argv := &reviewArgv{}
 	rdb.AddHook(argv)
-	prefix := redistest.Prefix(t)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
-	require.NoError(t, err)
+	eng, prefix := textbookEngine(t, rdb)
 	all := []throttle.Limit{throttle.PerSecond(10, 5), throttle.PerMinute(300, 50)}
 	for m := 1; m <= 2; m++ {
 		limits := all[:m]
@@ -96,9 +94,7 @@ func TestRunsAcrossRestart(t *testing.T) {
 	srv := redistest.Start(t)
 	srv.RequireReal(t)
 	rdb := srv.Client(t)
-	prefix := redistest.Prefix(t)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
-	require.NoError(t, err)
+	eng, prefix := textbookEngine(t, rdb)
 	lim := throttle.PerSecond(10, 2)
 	now := int64(1_800_000_000_000_000)
 	ctx := testhook.WithNow(context.Background(), now)
@@ -139,9 +135,7 @@ func TestRunsMicrosecondEdges(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Shared(t)
 	rdb := srv.Client(t)
-	prefix := redistest.Prefix(t)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
-	require.NoError(t, err)
+	eng, prefix := textbookEngine(t, rdb)
 	lim := throttle.PerSecond(10, 0)
 	now := int64(1_800_000_000_000_000)
 	ctx := testhook.WithNow(context.Background(), now)

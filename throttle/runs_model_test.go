@@ -148,9 +148,7 @@ func TestRunsRandomBatchesAndRefundOrders(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Shared(t)
 	rdb := srv.Client(t)
-	prefix := redistest.Prefix(t)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
-	require.NoError(t, err)
+	eng, prefix := textbookEngine(t, rdb)
 	all := []throttle.Limit{throttle.Every(time.Second, 7, 3), throttle.Every(time.Minute, 90, 5), throttle.Every(3*time.Second+333, 11, 8)}
 	rng := rand.New(rand.NewPCG(7, 77))
 	var refusedInRun, midRefundsGiven, sameBase int
@@ -248,9 +246,7 @@ func TestRunsRedisClock(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Shared(t)
 	rdb := srv.Client(t)
-	prefix := redistest.Prefix(t)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
-	require.NoError(t, err)
+	eng, prefix := textbookEngine(t, rdb)
 	limits := []throttle.Limit{throttle.PerSecond(50, 4), throttle.PerMinute(600, 20)}
 	keys := []string{"{rvclock}:a", "{rvclock}:b"}
 	g := newReviewGCRA(limits)
@@ -284,9 +280,7 @@ func TestRunsOverHorizon(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Shared(t)
 	rdb := srv.Client(t)
-	prefix := redistest.Prefix(t)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
-	require.NoError(t, err)
+	eng, prefix := textbookEngine(t, rdb)
 	lim := throttle.Every(150*24*time.Hour, 1, 0) // one per 150 days
 	now := int64(1_800_000_000_000_000)
 	ctx := testhook.WithNow(context.Background(), now)
@@ -319,9 +313,7 @@ func TestRunsCorruptKey(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Shared(t)
 	rdb := srv.Client(t)
-	prefix := redistest.Prefix(t)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
-	require.NoError(t, err)
+	eng, prefix := textbookEngine(t, rdb)
 	limits := []throttle.Limit{throttle.PerSecond(10, 2), throttle.PerMinute(100, 10)}
 	keys := []string{"{rvbad}:a", "{rvbad}:b"}
 	require.NoError(t, rdb.Set(context.Background(), prefix+keys[1], "12x", 0).Err())
@@ -329,7 +321,7 @@ func TestRunsCorruptKey(t *testing.T) {
 	for i := range reqs {
 		reqs[i] = throttle.Request{N: 1, MaxWait: throttle.Forever}
 	}
-	_, err = eng.BookAll(context.Background(), keys, limits, reqs)
+	_, err := eng.BookAll(context.Background(), keys, limits, reqs)
 	require.ErrorIs(t, err, throttle.ErrCorruptState)
 	n, err := rdb.Exists(context.Background(), prefix+keys[0]).Result()
 	require.NoError(t, err)

@@ -24,9 +24,7 @@ func TestRunsBookRetryAgainstModel(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Shared(t)
 	rdb := srv.Client(t)
-	prefix := redistest.Prefix(t)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
-	require.NoError(t, err)
+	eng, prefix := textbookEngine(t, rdb)
 	all := []throttle.Limit{throttle.PerSecond(5, 2), throttle.Every(time.Minute, 30, 4)}
 	rng := rand.New(rand.NewPCG(5, 55))
 	var refused, recorded int
