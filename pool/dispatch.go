@@ -26,7 +26,7 @@ func (p *Pool) dispatch() {
 	for {
 		p.mu.Lock()
 		now := time.Now()
-		refunds := p.takeRefundsLocked()
+		refunds := p.takeRefundsLocked(now)
 		p.startDueLocked(now)
 		var (
 			key     string
@@ -76,48 +76,84 @@ func earliest(a, b time.Time) time.Time {
 	return a
 }
 
-// takeRefundsLocked moves the booked jobs that will not run (see
-// refundable) to refunding, and returns them, the latest booking first.
-// p.mu is held.
-func (p *Pool) takeRefundsLocked() []*Job {
-	js := refundable(p.slots, p.closed)
-	for _, j := range js {
-		err := j.ctx.Err()
-		if err == nil {
-			err = ErrClosed
+// takeRefundsLocked finds the bookings to give back now (see refundable),
+// moves their booked jobs to refunding, and returns them with the owed
+// ones among them, the latest booking first, for giveBack. A booked job
+// whose context has ended but whose booking cannot be given back yet (a
+// later booking on its key still stands) is done at once, with its
+// context's error; its booking is owed, and given back once the later
+// ones are (or forgotten once its slot has come: there is nothing left to
+// give). p.mu is held.
+func (p *Pool) takeRefundsLocked(now time.Time) []*Job {
+	p.owed = slices.DeleteFunc(p.owed, func(j *Job) bool { return !j.res.SlotAt().After(now) })
+	give, owe := refundable(p.slots, p.owed, p.closed)
+	p.owed = slices.DeleteFunc(p.owed, func(j *Job) bool { return slices.Contains(give, j) })
+	for _, j := range give {
+		if j.state == booked {
+			p.moveLocked(j, refunding, endErr(j))
 		}
-		p.moveLocked(j, refunding, err)
 	}
-	return js
+	for _, j := range owe {
+		p.moveLocked(j, refunding, endErr(j))
+		p.moveLocked(j, done, j.err)
+		p.owed = append(p.owed, j)
+	}
+	return give
 }
 
-// refundable returns the jobs of booked that will not run (their context
-// has ended, or the pool is closed), the latest booking first. It takes
-// every such job at once, also those whose cancellation has not reached
-// the pool yet (contexts shared by many jobs end at once), because a
-// booking can be given back only while no later booking is live on its
-// key.
+// endErr is the outcome of a booked job that will not run.
+func endErr(j *Job) error {
+	if err := j.ctx.Err(); err != nil {
+		return err
+	}
+	return ErrClosed
+}
+
+// refundable sorts out the bookings that will not be used: those of the
+// booked jobs (slots) whose context has ended (all of them, once the pool is
+// closed) and those owed. give are the ones to give back now, the latest
+// first; owe, the booked ones to keep owing.
 //
-// It looks at the contexts in booking order, earliest first. A context
-// that several jobs share and that ends while it looks is then seen ended
-// for every booking from some point on: it takes the latest of them, and
-// the earlier ones at its next look, to be given back after them, in
-// full. Looked at in another order (the slot heap's), it could take an
-// earlier booking and miss a later one that still stands on it: the
-// earlier one would give nothing back, and nor would any booked before it.
-func refundable(booked []*Job, closed bool) []*Job {
-	if !closed && !slices.ContainsFunc(booked, func(j *Job) bool { return j.ctx.Err() != nil }) {
-		return nil // the common case: nothing to give back, nothing sorted
+// A booking gives its room back only while no later booking stands on its
+// key. So for each key, going from its latest booking back, give takes
+// bookings until one that is still wanted (a job whose context has not
+// ended); that one and every booking before it stay: the unwanted among
+// them are owed (owe), to be given back once everything after them is.
+// Contexts shared by many jobs end at once, and a parent's children one
+// by one; either way what give takes is given back in full, and the rest
+// at a later look, after it. Taking an earlier booking while a later one
+// stands would give nothing back (and leave the earlier one's tombstone,
+// so it never could), and nor would any booked before it.
+func refundable(slots, owed []*Job, closed bool) (give, owe []*Job) {
+	if !closed && len(owed) == 0 && !slices.ContainsFunc(slots, func(j *Job) bool { return j.ctx.Err() != nil }) {
+		return nil, nil // the common case: nothing to give back, nothing sorted
 	}
-	js := slices.Clone(booked)
-	slices.SortFunc(js, func(a, b *Job) int { return cmp.Compare(a.seq, b.seq) })
-	js = slices.DeleteFunc(js, func(j *Job) bool { return !closed && j.ctx.Err() == nil })
-	slices.Reverse(js)
-	return js
+	js := append(slices.Clone(slots), owed...)
+	// By key, the latest booking first.
+	slices.SortFunc(js, func(a, b *Job) int {
+		return cmp.Or(cmp.Compare(a.key, b.key), cmp.Compare(b.seq, a.seq))
+	})
+	wanted := false // a booking of this key, later than j, is still wanted
+	for i, j := range js {
+		if i == 0 || j.key != js[i-1].key {
+			wanted = false
+		}
+		switch {
+		case j.state == booked && !closed && j.ctx.Err() == nil:
+			wanted = true
+		case !wanted:
+			give = append(give, j)
+		case j.state == booked:
+			owe = append(owe, j)
+		}
+	}
+	// Across keys too, the latest first.
+	slices.SortStableFunc(give, func(a, b *Job) int { return cmp.Compare(b.seq, a.seq) })
+	return give, owe
 }
 
-// giveBack gives back the bookings of js in order, then ends each job with
-// the error it was given.
+// giveBack gives back the bookings of js in order, then ends each job
+// still refunding with the error it was given (an owed one is done).
 func (p *Pool) giveBack(js []*Job) {
 	for _, j := range js {
 		// The job's context has ended: keep its values, not its end.
@@ -128,7 +164,9 @@ func (p *Pool) giveBack(js []*Job) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, j := range js {
-		p.moveLocked(j, done, j.err)
+		if j.state == refunding {
+			p.moveLocked(j, done, j.err)
+		}
 	}
 }
 

@@ -31,9 +31,14 @@
 //     goes back to the front of the backlog, and its key is not booked again
 //     until the slot would fit.
 //   - Cancellation. A job whose context ends before its function starts
-//     does not run. If it was booked, its booking is given back before the
-//     job reports done, the latest booking first, so that each give-back
-//     finds no later booking of the pool on its key.
+//     does not run. If it was booked, its booking is given back, the
+//     latest booking first, so that each give-back finds no later booking
+//     of the pool on its key: before the job reports done, if no later
+//     booking of its key is still wanted. If one is, the job reports done
+//     at once and its booking is owed: given back once the later ones are
+//     (so jobs cancelled in any order give back all their room), or
+//     forgotten once its slot has come (a later booking that runs stands
+//     on it, and it could give nothing back).
 //   - Failures. A batch whose Redis call fails ends its jobs with the error
 //     (a lost reply may have booked; nothing is given back for it).
 //   - Panics. A job's panic becomes its error, a *PanicError with the panic

@@ -41,6 +41,7 @@ type Pool struct {
 	queues   map[string]*keyQueue // the backlog, by key; only keys with backlog
 	turns    list.List            // of *keyQueue: the same keys, in turn
 	slots    jobHeap              // booked jobs, earliest slot first
+	owed     []*Job               // done jobs whose booking is still to give back (see takeRefundsLocked)
 	free     int                  // workers held by no job and no Acquire caller
 	waiters  list.List            // of chan struct{}: Acquire callers waiting for a worker, first first
 	pending  int                  // jobs submitted and not done
