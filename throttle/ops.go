@@ -157,7 +157,9 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 		I := l.intervalMicros()
 		args = append(args, I, I*int64(l.Burst))
 	}
-	// book.lua takes runs of requests alike: (count, n, max wait).
+	// book.lua takes runs of requests alike: (count, n, max wait). A run's
+	// count is written once it ends (a count over 255 put in an any on
+	// every request would cost an allocation each).
 	count, lastW := 0, int64(-1)
 	for i, r := range reqs {
 		for _, l := range limits {
@@ -173,11 +175,16 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 			args = append(args, r.N, w)
 		case count > 0 && r.N == reqs[i-1].N && w == lastW:
 			count++
-			args[len(args)-3] = count
 		default:
+			if count > 0 {
+				args[len(args)-3] = count
+			}
 			count, lastW = 1, w
-			args = append(args, count, r.N, w)
+			args = append(args, 0, r.N, w) // the count once the run ends
 		}
+	}
+	if script == bookScript {
+		args[len(args)-3] = count
 	}
 
 	// Both scripts answer {now, tat_1 .. tat_m, then per request: its wait
