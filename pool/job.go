@@ -71,6 +71,9 @@ func (j *Job) Started() time.Time {
 
 // Reservation waits for the job to finish and returns the reservation made
 // for it (nil if none was): its Booking gives the slot on the Redis clock.
+// The booking of a job that did not run is the pool's to give back (after
+// any later booking of its key, see Cancellation in the package doc): do
+// not Cancel it, or its room may be lost.
 func (j *Job) Reservation() *reserve.Reservation {
 	<-j.done
 	return j.res
