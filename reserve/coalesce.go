@@ -43,8 +43,9 @@ type queue struct {
 
 // call is one ReserveN caller.
 type call struct {
-	ctx context.Context
-	n   int
+	ctx  context.Context
+	n    int
+	hold bool // a ReserveBatch request's HoldLate
 
 	res *Reservation // set, or err, before wake says done
 	err error

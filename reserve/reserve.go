@@ -336,6 +336,20 @@ type BatchRequest struct {
 	Context context.Context
 	// N is the number of units, 1 to Burst+1.
 	N int
+	// HoldLate leaves this request's booking to the caller if the reply's
+	// latency makes it late: Redis booked a slot within the request's
+	// budget, but acting at it, counted from the reply's arrival, would
+	// end past the deadline. The Reservation is refused all the same (Err
+	// matching ErrWouldExceedDeadline), but it holds the booking:
+	// Booking().OK is true and Cancel gives it back. Unset, ReserveBatch
+	// gives such a booking back itself.
+	//
+	// A caller that gives back several bookings of one key (a pool whose
+	// jobs are cancelled) sets it, so that it can give them all back
+	// latest first: a booking gives its room back only while nothing
+	// booked after it stands (see Reservation.Cancel), and ReserveBatch
+	// cannot know which of the later ones the caller will give back.
+	HoldLate bool
 }
 
 // ReserveBatch books reqs for key in order, in one Redis call, each judged
@@ -344,8 +358,9 @@ type BatchRequest struct {
 // input (nothing sent) or a Redis failure (nothing booked). A request
 // whose Context has ended by the time the call is sent books nothing: its
 // Reservation is not OK and its Err is the context's error (no call is
-// made if every request's has). It is what a worker pool uses to book
-// slots for its backlog.
+// made if every request's has). A request the reply's latency made late
+// is refused and its booking given back, unless it asks to hold it
+// (HoldLate). It is what a worker pool uses to book slots for its backlog.
 func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequest) ([]*Reservation, error) {
 	k, err := l.engineKey(key)
 	if err != nil {
@@ -359,7 +374,7 @@ func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequ
 		if err := l.checkN(r.N); err != nil {
 			return nil, fmt.Errorf("request %d: %w", i, err)
 		}
-		c := &call{ctx: r.Context, n: r.N}
+		c := &call{ctx: r.Context, n: r.N, hold: r.HoldLate}
 		if c.ctx == nil {
 			c.ctx = ctx
 		}
@@ -469,10 +484,16 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 			r.err = deadline.Refuse(s.bound, s.budget, bs[i].Wait)
 		case l.pastDeadline(s.c.ctx, act):
 			// The reply's latency ate the room the budget left: the
-			// caller would act too late. Give the slot back, refuse.
+			// caller would act too late. Refuse, and give the slot back
+			// (or leave it to a caller that holds it, for Cancel).
+			r.err = deadline.Refuse(deadline.ErrWouldExceedDeadline, s.budget, act.Sub(now))
+			r.act = act // for Cancel's look at whether the slot has come
+			if s.c.hold {
+				r.held = true
+				break
+			}
 			late = append(late, bs[i])
 			r.booking.OK = false
-			r.err = deadline.Refuse(deadline.ErrWouldExceedDeadline, s.budget, act.Sub(now))
 		default:
 			r.act = act
 		}
@@ -575,6 +596,8 @@ type Reservation struct {
 
 	fallback bool                // answered by the fallback, not Redis
 	local    []*rate.Reservation // LocalShare's bookings, one per limit
+	held     bool                // a refusal holding its booking (BatchRequest.HoldLate)
+	view     bool                // made by View: Cancel gives nothing back
 
 	mu       sync.Mutex // guards canceled
 	canceled bool
@@ -607,12 +630,30 @@ func (r *Reservation) RetryAfter() time.Duration {
 func (r *Reservation) Fallback() bool { return r.fallback }
 
 // Booking returns the engine's answer: the wait and slot as measured on the
-// Redis clock when the booking was made.
+// Redis clock when the booking was made. Its OK reports whether Redis
+// booked a slot that r holds: for a refusal it is false, but for a late one
+// held for the caller (BatchRequest.HoldLate).
 func (r *Reservation) Booking() throttle.Booking { return r.booking }
 
 // SlotAt returns the local time at which the holder may act. It is the zero
 // Time for a refusal.
-func (r *Reservation) SlotAt() time.Time { return r.act }
+func (r *Reservation) SlotAt() time.Time {
+	if !r.OK() {
+		return time.Time{}
+	}
+	return r.act
+}
+
+// View returns a copy of r that answers as r does but gives nothing back:
+// its Cancel does nothing, and nor does its Wait when cut short. It is for
+// handing a reservation to code that may read it while its booking is the
+// giver's to give back (a pool's Job.Reservation, say).
+func (r *Reservation) View() *Reservation {
+	return &Reservation{
+		lim: r.lim, key: r.key, booking: r.booking, act: r.act, err: r.err,
+		fallback: r.fallback, held: r.held, view: true,
+	}
+}
 
 // Delay is shorthand for DelayFrom(time.Now()).
 func (r *Reservation) Delay() time.Duration { return r.DelayFrom(r.lim.clock.Now()) }
@@ -657,12 +698,14 @@ func (r *Reservation) giveBack(ctx context.Context) {
 // through early). A Pause made after the booking keeps its room too.
 //
 // Once the slot has come nothing is given back, and Cancel makes no Redis
-// call. Cancelling twice, or cancelling a refusal, does nothing. If Cancel
-// returns an error (Redis unreachable, or its reply lost: errors.Is
+// call. Cancelling twice, cancelling a View, or cancelling a refusal does
+// nothing, but for a late refusal held for the caller
+// (BatchRequest.HoldLate), whose booking Cancel gives back as any other. If
+// Cancel returns an error (Redis unreachable, or its reply lost: errors.Is
 // throttle.ErrReplyLost), calling it again is safe: the engine gives a
 // booking back at most once.
 func (r *Reservation) Cancel(ctx context.Context) error {
-	if !r.OK() {
+	if r.view || (!r.OK() && !r.held) {
 		return nil
 	}
 	r.mu.Lock()
