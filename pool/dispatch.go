@@ -26,7 +26,7 @@ func (p *Pool) dispatch() {
 	for {
 		p.mu.Lock()
 		now := time.Now()
-		refunds := p.takeRefundsLocked(now)
+		refunds := p.takeRefundsLocked()
 		p.startDueLocked(now)
 		var (
 			key     string
@@ -82,10 +82,9 @@ func earliest(a, b time.Time) time.Time {
 // whose context has ended but whose booking cannot be given back yet (a
 // later booking on its key still stands) is done at once, with its
 // context's error; its booking is owed, and given back once the later
-// ones are (or forgotten once its slot has come: there is nothing left to
-// give). p.mu is held.
-func (p *Pool) takeRefundsLocked(now time.Time) []*Job {
-	p.owed = slices.DeleteFunc(p.owed, func(j *Job) bool { return !j.res.SlotAt().After(now) })
+// ones are given back or run (if its slot has come by then, Cancel makes
+// no call). A booking refused late (see book) is owed too. p.mu is held.
+func (p *Pool) takeRefundsLocked() []*Job {
 	give, owe := refundable(p.slots, p.owed, p.closed)
 	p.owed = slices.DeleteFunc(p.owed, func(j *Job) bool { return slices.Contains(give, j) })
 	for _, j := range give {
@@ -221,7 +220,9 @@ func (p *Pool) takeBatchLocked(now time.Time) (key string, batch []*Job, retryAt
 func (p *Pool) book(key string, batch []*Job) {
 	reqs := make([]reserve.BatchRequest, len(batch))
 	for i, j := range batch {
-		reqs[i] = reserve.BatchRequest{Context: j.ctx, N: 1}
+		// A booking made late by the reply's latency is the pool's to
+		// give back, with any others, latest first (see refundable).
+		reqs[i] = reserve.BatchRequest{Context: j.ctx, N: 1, HoldLate: true}
 	}
 	// Not a job's context: one job's cancellation must not fail the
 	// others' call, nor Close lose a reply that may have booked (the
@@ -259,6 +260,12 @@ func (p *Pool) book(key string, batch []*Job) {
 			retryAt = earliest(retryAt, now.Add(r.RetryAfter()-maxWait))
 		default:
 			j.res = r
+			if r.Booking().OK {
+				// Refused, late, yet booked: the job is done, and its
+				// booking owed.
+				j.seq = p.bookings + uint64(i)
+				p.owed = append(p.owed, j)
+			}
 			p.moveLocked(j, done, outcome(j, r, p.closed))
 		}
 	}

@@ -70,13 +70,17 @@ func (j *Job) Started() time.Time {
 }
 
 // Reservation waits for the job to finish and returns the reservation made
-// for it (nil if none was): its Booking gives the slot on the Redis clock.
-// The booking of a job that did not run is the pool's to give back (after
-// any later booking of its key, see Cancellation in the package doc): do
-// not Cancel it, or its room may be lost.
+// for it (nil if none was), as a view (see reserve.Reservation.View): its
+// Booking gives the slot on the Redis clock, and its Cancel does nothing,
+// for the booking of a job that did not run is the pool's to give back,
+// after any later booking of its key (see Cancellation in the package
+// doc).
 func (j *Job) Reservation() *reserve.Reservation {
 	<-j.done
-	return j.res
+	if j.res == nil {
+		return nil
+	}
+	return j.res.View()
 }
 
 // Slot waits for the job to finish and returns the local time of its

@@ -3,6 +3,7 @@ package pool
 import (
 	"context"
 	"errors"
+	"slices"
 	"time"
 
 	"github.com/slotbook/slotbook/lease"
@@ -72,15 +73,20 @@ func (p *Pool) leaseAndBook(key string, batch []*Job) {
 			p.book(key, []*Job{j})
 			// If the pool closed while the booking was in flight, the
 			// dispatcher may have returned without seeing it: give it back
-			// here, unless the dispatcher has taken it.
+			// here (booked, or owed if refused late), unless the
+			// dispatcher has taken it.
 			p.mu.Lock()
-			if p.closed && j.state == booked {
+			switch {
+			case p.closed && j.state == booked:
 				p.moveLocked(j, refunding, ErrClosed)
+			case p.closed && slices.Contains(p.owed, j):
+				p.owed = slices.DeleteFunc(p.owed, func(o *Job) bool { return o == j })
+			default:
 				p.mu.Unlock()
-				p.giveBack([]*Job{j})
 				return
 			}
 			p.mu.Unlock()
+			p.giveBack([]*Job{j})
 		}()
 	}
 }

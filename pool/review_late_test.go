@@ -1,18 +1,13 @@
-//go:build slotbook_open_defects
-
 package pool_test
 
-// An open defect, kept as a test that fails until it is fixed:
-//
-//	go test -tags slotbook_open_defects -run TestReviewRefundLateInFlight ./pool
-//
-// A booking that reserve refuses on arrival (the reply's latency ate the
-// room before its deadline) is given back by ReserveBatch on a goroutine
-// of its own, while the pool gives back a later booking of the same
-// batch (its job cancelled, or the pool closed, while the batch was in
-// flight) after the reply: the earlier refund can reach Redis first, and
-// then gives nothing back. Nothing runs early; the room is lost until the
-// slot passes. Found in the review of 01355c7.
+// A defect found in the review of 01355c7, fixed by BatchRequest.HoldLate:
+// a booking that reserve refused on arrival (the reply's latency ate the
+// room before its deadline) was given back by ReserveBatch on a goroutine
+// of its own, while the pool gave back a later booking of the same batch
+// (its job cancelled, or the pool closed, while the batch was in flight)
+// after the reply: the earlier refund could reach Redis first, and then
+// gave nothing back. Nothing ran early; the room was lost until the slot
+// passed. The pool now holds such a booking and owes it.
 
 import (
 	"context"
@@ -62,7 +57,8 @@ func TestReviewRefundLateInFlight(t *testing.T) {
 			}
 			require.NoError(t, p.Wait(context.Background()))
 			require.NoError(t, p.Close(context.Background()))
-			// The late refund runs on a goroutine of its own: let it land.
+			// Before the fix the late refund ran on a goroutine of its
+			// own: let any such refund land before looking.
 			time.Sleep(300 * time.Millisecond)
 			for _, j := range []*pool.Job{j1, j2} {
 				t.Logf("%v", j.Err())

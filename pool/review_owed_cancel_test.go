@@ -1,18 +1,11 @@
-//go:build slotbook_open_defects
-
 package pool_test
 
-// An open defect, kept as a test that fails until it is fixed:
-//
-//	go test -tags slotbook_open_defects -run TestReviewOwedUserCancelsReservation ./pool
-//
-// A job cancelled under a later booking still wanted is done at once and
-// its booking owed to the pool (4fcab9f); Job.Reservation hands that
-// reservation out, and a caller's Cancel on it runs while the later
-// booking stands: it gives nothing, leaves the tombstone and marks the
-// reservation cancelled, so the pool's give-back later gives nothing too.
-// Job.Reservation's doc says the booking of a job that did not run is the
-// pool's to give back. Found in the review of 4fcab9f.
+// A defect found in the review of 4fcab9f, fixed by Job.Reservation
+// handing out a view: a job cancelled under a later booking still wanted
+// is done at once and its booking owed to the pool; Job.Reservation
+// handed out that reservation, and a caller's Cancel on it ran while the
+// later booking stood: it gave nothing, left the tombstone and marked the
+// reservation cancelled, so the pool's give-back later gave nothing too.
 
 import (
 	"context"
@@ -27,11 +20,8 @@ import (
 // TestReviewOwedUserCancelsReservation: a job cancelled under a later one
 // still wanted is done at once, and Job.Reservation hands its caller a
 // reservation the pool still owes. A caller that cancels it (as one may
-// with any reservation, and as did nothing before: the pool had given it
-// back before the job was done) gives nothing back while the later one
-// stands, and marks it given back, so the pool's own give-back later does
-// nothing either: once the later job is cancelled too, the room of the
-// first is lost.
+// with any reservation) must not cost its room: once the later job is
+// cancelled too, the room of both must come back.
 func TestReviewOwedUserCancelsReservation(t *testing.T) {
 	t.Parallel()
 	e := newReviewEnv(t, 0)
@@ -52,7 +42,8 @@ func TestReviewOwedUserCancelsReservation(t *testing.T) {
 	require.Eventually(t, func() bool { return e.booked(name, "k", at[0]) == 2 }, 3*time.Second, time.Millisecond)
 	cancelA()
 	require.ErrorIs(t, a.Wait(context.Background()), context.Canceled)
-	// The caller tidies up after its cancelled job.
+	// The caller tidies up after its cancelled job: the view's Cancel
+	// does nothing, and the booking stays the pool's to give back.
 	require.NoError(t, a.Reservation().Cancel(context.Background()))
 	cancelB()
 	require.NoError(t, p.Wait(context.Background()))
