@@ -14,18 +14,21 @@ import (
 	"github.com/slotbook/slotbook/internal/redistest"
 )
 
-// BenchmarkBook1Pipelining is a reference for a design not built: what
+// BenchmarkBook1Pipelining is a reference for two designs not built: what
 // sending book1.lua's calls for different keys pipelined on one connection
-// would save, against one call per connection as the engine sends them.
-// It runs the bare script call (no engine) over 10,000 keys, from 4 and 64
+// would save, against one call per connection as the engine sends them,
+// and what one call booking eight different keys would (the "multikey"
+// mode: a prototype of book1.lua looping over its KEYS, here only). It
+// runs the bare script call (no engine) over 10,000 keys, from 4 and 64
 // goroutines, through a plain go-redis Client and through go-redis's own
 // full-duplex AutoPipeline (experimental in go-redis v9.23) on a server of
-// its own, and reports the server's CPU per call (used_cpu_sys +
-// used_cpu_user) beside ns/op.
+// its own, and reports the server's CPU per booking (used_cpu_sys +
+// used_cpu_user) beside ns/op (per call; a multikey call books eight).
 func BenchmarkBook1Pipelining(b *testing.B) {
 	srv := redistest.Start(b)
 	ctx := context.Background()
-	for _, mode := range []string{"client", "autopipeline"} {
+	multi := newScript(clockSrc + multikeyProtoSrc)
+	for _, mode := range []string{"client", "autopipeline", "multikey"} {
 		for _, g := range []int{4, 64} {
 			b.Run(fmt.Sprintf("%s/goroutines=%d", mode, g), func(b *testing.B) {
 				o := srv.Options()
@@ -44,9 +47,12 @@ func BenchmarkBook1Pipelining(b *testing.B) {
 					b.Cleanup(func() { _ = ap.Close() })
 					p = ap
 				}
-				if err := rdb.ScriptLoad(ctx, book1Script.src).Err(); err != nil {
-					b.Fatal(err)
+				for _, sc := range []*script{book1Script, multi} {
+					if err := rdb.ScriptLoad(ctx, sc.src).Err(); err != nil {
+						b.Fatal(err)
+					}
 				}
+				per := 1 // bookings per call
 				keys := make([]string, 10_000)
 				for i := range keys {
 					keys[i] = "pipe:{" + strconv.Itoa(i) + "}"
@@ -60,9 +66,20 @@ func BenchmarkBook1Pipelining(b *testing.B) {
 				b.RunParallel(func(pb *testing.PB) {
 					k := int(next.Add(1)) * 7919
 					for pb.Next() {
-						key := keys[k%len(keys)]
-						k++
-						cmd := redis.NewCmd(ctx, append([]any{"evalsha", book1Script.hash, 1, key}, args...)...)
+						var cmd *redis.Cmd
+						if mode == "multikey" {
+							ks := make([]any, 0, 3+multikeyProtoKeys+len(args))
+							ks = append(ks, "evalsha", multi.hash, multikeyProtoKeys)
+							for range multikeyProtoKeys {
+								ks = append(ks, keys[k%len(keys)])
+								k++
+							}
+							cmd = redis.NewCmd(ctx, append(ks, args...)...)
+						} else {
+							key := keys[k%len(keys)]
+							k++
+							cmd = redis.NewCmd(ctx, append([]any{"evalsha", book1Script.hash, 1, key}, args...)...)
+						}
 						if err := p.Process(ctx, cmd); err != nil {
 							b.Error(err)
 							return
@@ -70,7 +87,10 @@ func BenchmarkBook1Pipelining(b *testing.B) {
 					}
 				})
 				b.StopTimer()
-				b.ReportMetric((serverCPU(b, rdb)-cpu0)*1e6/float64(b.N), "server-µs/op")
+				if mode == "multikey" {
+					per = multikeyProtoKeys
+				}
+				b.ReportMetric((serverCPU(b, rdb)-cpu0)*1e6/float64(b.N*per), "server-µs/booking")
 			})
 		}
 	}
@@ -96,3 +116,27 @@ func serverCPU(b *testing.B, rdb *redis.Client) float64 {
 	}
 	return sum
 }
+
+// multikeyProtoKeys is how many keys one multikey call books.
+const multikeyProtoKeys = 8
+
+// multikeyProtoSrc is book1.lua's decision for each of KEYS in turn, one
+// reply triple per key: a prototype for BenchmarkBook1Pipelining only.
+const multikeyProtoSrc = `
+local interval, tau, n, maxwait = ARGV[2] + 0, ARGV[3] + 0, ARGV[4] + 0, ARGV[5] + 0
+local out = {}
+for i = 1, #KEYS do
+  local tat = stored(KEYS[i], now, interval, tau) or now
+  if tat < now then tat = now end
+  local wait = tat + (n - 1) * interval - tau - now
+  if wait < 0 then wait = 0 end
+  if wait > maxwait then
+    out[#out + 1], out[#out + 2], out[#out + 3] = now, tat, -1 - wait
+  else
+    local new = tat + n * interval
+    redis.call('SET', KEYS[i], string.format('%d', new), 'PX', px(new, now, hold))
+    out[#out + 1], out[#out + 2], out[#out + 3] = now, tat, wait
+  end
+end
+return out
+`
