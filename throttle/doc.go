@@ -89,6 +89,18 @@
 // probe; a call sent before the breaker opened that fails after it does
 // not delay the next probe.
 //
+// Single bookings (one request under one limit) that find every
+// connection busy are merged (WithMerging, on by default, for a client
+// that is not a Cluster's): they wait at the gate together, and go out in
+// one call when a connection frees, each judged as it would be alone.
+// That call is one call for the breaker, the timeout and the Observer
+// (ObserveCall, labelled with its first key's name), and each booking's
+// error is the call's: a lost reply is ErrReplyLost for every booking in
+// it. A request leaves while it waits, as a call at the gate does; once
+// sent, its answer comes with the call's, bounded by the engine's
+// timeout rather than by its own context. A booking whose key holds a
+// value that is not a TAT is sent again alone, and gets its own error.
+//
 // The engine keeps one breaker per Redis node, the failure domain: the
 // client's server, or, for a Redis Cluster, the master that owns the key's
 // slot. While a node's breaker is open calls for its subjects fail at once

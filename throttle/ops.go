@@ -146,6 +146,17 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 		return nil, fmt.Errorf("%w: batch of %d requests (want 1 to %d)", ErrInvalidRequest, len(reqs), MaxBatch)
 	}
 	m := len(keys)
+	if m == 1 && len(reqs) == 1 && e.merge != nil {
+		if err := checkRequest(reqs[0], limits[0]); err != nil {
+			return nil, err
+		}
+		if b, err, merged := e.merge.book(ctx, keys[0], limits[0], reqs[0]); merged {
+			if err != nil {
+				return nil, fmt.Errorf("throttle: book %q: %w", keys[0], err)
+			}
+			return []Booking{b}, nil
+		}
+	}
 	args := cmdArgs(m, 2+2*m+3*len(reqs))
 	args = append(args, nowArg(ctx))
 	script := book1Script
@@ -342,29 +353,60 @@ func (e *Engine) runCmd(ctx context.Context, s *script, keys []string, a []any) 
 	for i, k := range keys {
 		full[i] = e.prefix + k
 	}
+	lbl := label(keys[0])
+	t, err := e.take(ctx, full[0], lbl)
+	if err != nil {
+		return nil, err
+	}
+	defer t.release()
+	return e.exec(ctx, t, s, full, a, lbl)
+}
+
+// A turn is a call's right to go out: its node, whether it is the node's
+// breaker's probe, and when it started; it holds one of the node's
+// connection tokens, if the node has a gate, until release.
+type turn struct {
+	ref   *nodeRef
+	probe bool
+	start time.Time
+}
+
+// release gives back t's connection token, if it holds one.
+func (t turn) release() {
+	if t.ref.gate != nil {
+		<-t.ref.gate
+	}
+}
+
+// take waits for a turn to call the node that holds the prefixed key: it
+// looks up the node, asks its breaker (failing fast while it is open), and
+// takes a connection token, waiting for one (bounded by ctx's wait, see
+// waitbound) if every connection is busy. lbl labels the failed call for
+// the observer.
+func (e *Engine) take(ctx context.Context, key, lbl string) (turn, error) {
 	now := time.Now()
-	ref, cached, err := e.nodeFor(ctx, full[0], now)
+	ref, cached, err := e.nodeFor(ctx, key, now)
 	var ok, probe bool
 	if err == nil {
 		ok, probe = e.breakers.allowB(ref.b) // before the gate: fail fast without queueing
 		if !ok && cached {
 			// The slot may have moved off the node since it was cached:
 			// look again before failing fast.
-			e.forgetSlot(full[0])
-			if ref, cached, err = e.nodeFor(ctx, full[0], now); err == nil {
+			e.forgetSlot(key)
+			if ref, cached, err = e.nodeFor(ctx, key, now); err == nil {
 				ok, probe = e.breakers.allowB(ref.b)
 			}
 		}
 	}
 	if err != nil { // the call was the probe of an unreadable slot map, and failed
-		e.observer.ObserveCall(label(keys[0]), time.Since(now), err)
-		return nil, err
+		e.observer.ObserveCall(lbl, time.Since(now), err)
+		return turn{}, err
 	}
 	if e.cluster != nil && !cached {
 		now = time.Now() // the lookup may have read the cluster's slot map
 	}
 	if !ok {
-		return nil, errBreakerOpen
+		return turn{}, errBreakerOpen
 	}
 	if gate := ref.gate; gate != nil {
 		select {
@@ -377,7 +419,7 @@ func (e *Engine) runCmd(ctx context.Context, s *script, keys []string, a []any) 
 				if probe {
 					e.breakers.abandonB(ref.b)
 				}
-				return nil, wctx.Err()
+				return turn{}, wctx.Err()
 			}
 			now = time.Now()
 		}
@@ -389,27 +431,33 @@ func (e *Engine) runCmd(ctx context.Context, s *script, keys []string, a []any) 
 			// time, each paying the timeout. An atomic load while closed.
 			if ok, probe = e.breakers.allowB(ref.b); !ok {
 				<-gate
-				return nil, errBreakerOpen
+				return turn{}, errBreakerOpen
 			}
 		}
-		defer func() { <-gate }()
 	}
+	return turn{ref: ref, probe: probe, start: now}, nil
+}
+
+// exec runs s on the prefixed keys full in turn t, within the timeout, and
+// classifies its error (see classify). lbl labels the call for the
+// observer.
+func (e *Engine) exec(ctx context.Context, t turn, s *script, full []string, a []any, lbl string) (any, error) {
 	timeout := e.timeout
-	if probe {
+	if t.probe {
 		// The probe is the one call under way while the breaker is open:
 		// a longer timeout costs no one else a wait, and keeps a client
 		// that is merely busy from failing its probes and every call.
 		timeout *= probeTimeouts
 	}
-	callCtx, cancel := e.bound(ctx, timeout, now)
+	callCtx, cancel := e.bound(ctx, timeout, t.start)
 	defer cancel()
 	reply, err := s.runCmd(callCtx, e.rdb, full, a)
 	end := time.Now()
-	err = e.classify(ctx, callCtx, ref, full[0], probe, now, end, err)
+	err = e.classify(ctx, callCtx, t.ref, full[0], t.probe, t.start, end, err)
 	if err != nil && e.slots != nil && errors.Is(err, ErrUnavailable) {
 		e.forgetSlot(full[0])
 	}
-	e.observer.ObserveCall(label(keys[0]), end.Sub(now), err)
+	e.observer.ObserveCall(lbl, end.Sub(t.start), err)
 	return reply, err
 }
 

@@ -1,0 +1,241 @@
+package throttle
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/slotbook/slotbook/internal/waitbound"
+)
+
+// maxMerge is the most single bookings one merged call carries.
+const maxMerge = 64
+
+// A merger gathers single bookings (one request on one key under one
+// limit, book1.lua's calls) that find every connection to a node busy, so
+// that they go out together, in one call of bookmany.lua, when a
+// connection frees: at many keys and many callers, one call then books
+// many keys, for much less server and client CPU per booking than one
+// call each (BenchmarkBook1Pipelining). A booking that finds a connection
+// free goes alone, as before; so does every other call.
+//
+// The first request of a batch leads it: it waits for the connection
+// (bounded by its context's wait, see waitbound), takes the batch and
+// sends it. Until then the batch takes more requests (up to maxMerge), and
+// a request whose wait ends leaves it, nothing sent; if that was the
+// leader, the next request leads. Once taken, a request's answer comes
+// with the call's (bounded by the engine's timeout, as a batch of calls
+// from package reserve is): the call books for every request in it, so
+// none is cut short. A merger is used only for a client that is not a
+// Cluster's (the keys of one call need not share a hash slot), with a
+// known pool size and a timeout.
+type merger struct {
+	e    *Engine
+	mu   sync.Mutex  // guards open, and each batch's items and taken
+	open *mergeBatch // the batch taking requests, if any
+}
+
+// A mergeBatch is the requests of one merged call.
+type mergeBatch struct {
+	items []*mergeItem
+	taken bool // by its leader, to send (or to fail): no one joins or leaves
+}
+
+// A mergeItem is one request of a mergeBatch.
+type mergeItem struct {
+	key    string // as given to book: without the engine's prefix
+	limit  Limit
+	req    Request
+	leader bool             // leads its batch (guarded by merger.mu)
+	answer chan mergeAnswer // room for one: named leader, or answered
+}
+
+// A mergeAnswer is what a request of a batch hears: that it leads the
+// batch, or its booking or error, or that it must go alone (its key held
+// a value the merged call could not read; alone it gets its own error).
+type mergeAnswer struct {
+	lead  bool
+	b     Booking
+	err   error
+	alone bool
+}
+
+// book books req for key under limit in a merged call, if every
+// connection is busy; merged reports whether it did (if not, the caller
+// sends the request alone).
+func (m *merger) book(ctx context.Context, key string, limit Limit, req Request) (b Booking, err error, merged bool) {
+	gate := m.e.fixed.gate
+	if len(gate) < cap(gate) || nowArg(ctx) != "" {
+		return Booking{}, nil, false // a connection is free (or a test clock): alone
+	}
+	it := &mergeItem{key: key, limit: limit, req: req, answer: make(chan mergeAnswer, 1)}
+	m.mu.Lock()
+	batch := m.open
+	if batch == nil {
+		batch = &mergeBatch{}
+		m.open = batch
+		it.leader = true
+	}
+	batch.items = append(batch.items, it)
+	if len(batch.items) == maxMerge {
+		m.open = nil // full: the next request starts another
+	}
+	a := mergeAnswer{lead: it.leader}
+	m.mu.Unlock()
+
+	if !a.lead {
+		a = m.await(ctx, batch, it)
+	}
+	if a.lead {
+		a = m.lead(ctx, batch, it)
+	}
+	return a.b, a.err, !a.alone
+}
+
+// await waits for it's answer: named leader, or answered. While batch is
+// not taken, it leaves when ctx's wait ends, nothing sent.
+func (m *merger) await(ctx context.Context, batch *mergeBatch, it *mergeItem) mergeAnswer {
+	wctx := waitbound.Of(ctx)
+	select {
+	case a := <-it.answer:
+		return a
+	case <-wctx.Done():
+	}
+	m.mu.Lock()
+	if !batch.taken {
+		m.leaveLocked(batch, it)
+		m.mu.Unlock()
+		return mergeAnswer{err: wctx.Err()}
+	}
+	m.mu.Unlock()
+	// Sent, or being sent: its booking comes with the call's reply.
+	return <-it.answer
+}
+
+// leaveLocked takes it out of batch, which is not taken; if it led the
+// batch, the next request leads it. m.mu is held.
+func (m *merger) leaveLocked(batch *mergeBatch, it *mergeItem) {
+	for i, x := range batch.items {
+		if x == it {
+			batch.items = append(batch.items[:i], batch.items[i+1:]...)
+			break
+		}
+	}
+	if !it.leader {
+		return
+	}
+	if len(batch.items) == 0 {
+		if m.open == batch {
+			m.open = nil
+		}
+		return
+	}
+	next := batch.items[0]
+	next.leader = true
+	next.answer <- mergeAnswer{lead: true} // never blocks: nothing else is sent before the batch is taken
+}
+
+// lead waits for a turn to call the node, takes batch, sends it in one call
+// and answers each of its requests; it returns its own request's answer.
+func (m *merger) lead(ctx context.Context, batch *mergeBatch, it *mergeItem) mergeAnswer {
+	e := m.e
+	t, err := e.take(ctx, e.prefix+it.key, label(it.key))
+	m.mu.Lock()
+	if err != nil {
+		if werr := waitbound.Of(ctx).Err(); werr != nil && errors.Is(err, werr) {
+			// Its wait ended before a connection freed: it leaves, and the
+			// next request leads.
+			m.leaveLocked(batch, it)
+			m.mu.Unlock()
+			return mergeAnswer{err: err}
+		}
+	}
+	batch.taken = true
+	if m.open == batch {
+		m.open = nil
+	}
+	items := batch.items
+	m.mu.Unlock()
+
+	answers := make([]mergeAnswer, len(items))
+	if err == nil {
+		answers = m.send(ctx, t, items)
+		t.release()
+	} else { // the breaker is open: every request would have failed fast
+		for i := range items {
+			answers[i].err = err
+		}
+	}
+	var own mergeAnswer
+	for i, x := range items {
+		if x == it {
+			own = answers[i]
+			continue
+		}
+		x.answer <- answers[i] // never blocks: its one answer
+	}
+	return own
+}
+
+// send runs bookmany.lua for items in turn t, under ctx's values but not
+// its end (the engine's timeout bounds the call), and returns each item's
+// answer.
+func (m *merger) send(ctx context.Context, t turn, items []*mergeItem) []mergeAnswer {
+	e := m.e
+	k := len(items)
+	full := make([]string, k)
+	a := cmdArgs(k, 1+4*k)
+	a = append(a, "")
+	for i, x := range items {
+		full[i] = e.prefix + x.key
+		I := x.limit.intervalMicros()
+		// Rounded down, as book rounds it.
+		w := int64(min(x.req.MaxWait, MaxHorizon) / time.Microsecond)
+		a = append(a, I, I*int64(x.limit.Burst), x.req.N, w)
+	}
+	answers := make([]mergeAnswer, k)
+	reply, err := e.exec(context.WithoutCancel(ctx), t, bookManyScript, full, a, label(items[0].key))
+	var vals []int64
+	if err == nil {
+		// Room after the reply's values for each booking's end.
+		vals, err = int64sCap(reply, 1+2*k, k)
+	}
+	if err != nil {
+		for i := range answers {
+			answers[i].err = err
+		}
+		return answers
+	}
+	now := vals[0]
+	ends := vals[1+2*k:]
+	for i, x := range items {
+		tat, w := vals[1+2*i], vals[2+2*i]
+		if tat == -1 {
+			answers[i].alone = true
+			continue
+		}
+		answers[i].b = single(now, vals[1+2*i:2+2*i:2+2*i], w, x.req.N, x.limit, ends[i:i+1:i+1])
+	}
+	return answers
+}
+
+// single is the Booking of one request of n units under limit, judged
+// against the TAT starts[0] at now with the reply's w (the wait if booked,
+// -1 - wait if refused); end is room for its end. A booking's starts and
+// ends are never written once it is made.
+func single(now int64, starts []int64, w int64, n int, limit Limit, end []int64) Booking {
+	b := Booking{OK: w >= 0, N: n, now: now, starts: starts, ends: starts}
+	if !b.OK {
+		w = -1 - w
+	}
+	b.Wait = time.Duration(w) * time.Microsecond
+	b.At = time.UnixMicro(now + w)
+	if b.OK {
+		b.id = rand.Uint64()
+		end[0] = max(starts[0], now+w) + int64(n)*limit.intervalMicros()
+		b.ends = end
+	}
+	return b
+}
