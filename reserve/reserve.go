@@ -345,10 +345,12 @@ type BatchRequest struct {
 	// gives such a booking back itself.
 	//
 	// A caller that gives back several bookings of one key (a pool whose
-	// jobs are cancelled) sets it, so that it can give them all back
-	// latest first: a booking gives its room back only while nothing
-	// booked after it stands (see Reservation.Cancel), and ReserveBatch
-	// cannot know which of the later ones the caller will give back.
+	// jobs are cancelled) sets it on every request of the batch, so that
+	// it can give them all back latest first: a booking gives its room
+	// back only while nothing booked after it stands (see
+	// Reservation.Cancel), and ReserveBatch cannot know which of the later
+	// ones the caller will give back. (ReserveBatch gives back the late
+	// bookings it does not hold before it returns.)
 	HoldLate bool
 }
 
@@ -383,7 +385,9 @@ func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequ
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	l.giveBackLate(ctx, k, l.book(ctx, k, calls), len(calls) == 1)
+	// Before returning, so that the caller's own give-backs (of held
+	// bookings, say) come after these.
+	l.giveBackLate(ctx, k, l.book(ctx, k, calls), true)
 	out := make([]*Reservation, len(calls))
 	for i, c := range calls {
 		if c.err != nil {
