@@ -26,13 +26,15 @@ func (p *Pool) dispatch() {
 	for {
 		p.mu.Lock()
 		now := time.Now()
-		refunds := p.takeRefundsLocked()
+		refunds := p.takeRefundsLocked(now)
 		p.startDueLocked(now)
 		var (
-			key     string
-			batch   []*Job
-			wakeAt  time.Time
-			stopped = p.closed && len(refunds) == 0
+			key    string
+			batch  []*Job
+			wakeAt time.Time
+			// Closed, every booking taken (see takeRefundsLocked), and
+			// no booking call in flight (one that lands is given back).
+			stopped = p.closed && len(refunds) == 0 && len(p.flying) == 0
 		)
 		if len(refunds) == 0 {
 			key, batch, wakeAt = p.takeBatchLocked(now)
@@ -52,7 +54,7 @@ func (p *Pool) dispatch() {
 		case len(batch) > 0:
 			p.book(key, batch)
 			continue
-		case stopped: // closed, and takeRefundsLocked took every booking
+		case stopped:
 			return
 		}
 		if wakeAt.IsZero() {
@@ -82,10 +84,12 @@ func earliest(a, b time.Time) time.Time {
 // whose context has ended but whose booking cannot be given back yet (a
 // later booking on its key still stands) is done at once, with its
 // context's error; its booking is owed, and given back once the later
-// ones are given back or run (if its slot has come by then, Cancel makes
-// no call). A booking refused late (see book) is owed too. p.mu is held.
-func (p *Pool) takeRefundsLocked() []*Job {
-	give, owe := refundable(p.slots, p.owed, p.closed)
+// ones are (or forgotten once its slot has come, as Reservation.Cancel
+// judges it: there is nothing left to give). A booking refused late (see
+// book) is owed too. p.mu is held.
+func (p *Pool) takeRefundsLocked(now time.Time) []*Job {
+	p.owed = slices.DeleteFunc(p.owed, func(j *Job) bool { return !j.act.After(now) && !j.at.After(now) })
+	give, owe := refundable(p.slots, p.owed, p.closed, p.flying)
 	p.owed = slices.DeleteFunc(p.owed, func(j *Job) bool { return slices.Contains(give, j) })
 	for _, j := range give {
 		if j.state == booked {
@@ -114,28 +118,32 @@ func endErr(j *Job) error {
 // first; owe, the booked ones to keep owing.
 //
 // A booking gives its room back only while no later booking stands on its
-// key. So for each key, going from its latest booking back, give takes
-// bookings until one that is still wanted (a job whose context has not
-// ended); that one and every booking before it stay: the unwanted among
-// them are owed (owe), to be given back once everything after them is.
+// key. So for each key, going from its latest booking back (by slot on the
+// Redis clock, which a later booking of a key never has earlier, then by
+// order of booking), give takes bookings until one that is still wanted
+// (a job whose context has not ended); that one and every booking before
+// it stay: the unwanted among them are owed (owe), to be given back once
+// everything after them is. A key with a booking call in flight (flying,
+// see WithLease) counts as wanted above all its bookings: the call may
+// book after them.
 // Contexts shared by many jobs end at once, and a parent's children one
 // by one; either way what give takes is given back in full, and the rest
 // at a later look, after it. Taking an earlier booking while a later one
 // stands would give nothing back (and leave the earlier one's tombstone,
 // so it never could), and nor would any booked before it.
-func refundable(slots, owed []*Job, closed bool) (give, owe []*Job) {
+func refundable(slots, owed []*Job, closed bool, flying map[string]int) (give, owe []*Job) {
 	if !closed && len(owed) == 0 && !slices.ContainsFunc(slots, func(j *Job) bool { return j.ctx.Err() != nil }) {
 		return nil, nil // the common case: nothing to give back, nothing sorted
 	}
 	js := append(slices.Clone(slots), owed...)
 	// By key, the latest booking first.
 	slices.SortFunc(js, func(a, b *Job) int {
-		return cmp.Or(cmp.Compare(a.key, b.key), cmp.Compare(b.seq, a.seq))
+		return cmp.Or(cmp.Compare(a.key, b.key), b.at.Compare(a.at), cmp.Compare(b.seq, a.seq))
 	})
 	wanted := false // a booking of this key, later than j, is still wanted
 	for i, j := range js {
 		if i == 0 || j.key != js[i-1].key {
-			wanted = false
+			wanted = flying[j.key] > 0
 		}
 		switch {
 		case j.state == booked && !closed && j.ctx.Err() == nil:
@@ -216,8 +224,21 @@ func (p *Pool) takeBatchLocked(now time.Time) (key string, batch []*Job, retryAt
 }
 
 // book books batch for key in one Redis call and moves each job on by its
-// answer.
+// answer. The call counts as in flight for key (flying) until then: the
+// dispatcher gives no booking of key back meanwhile, and does not return.
+// If the pool is closed before the call, its jobs end with ErrClosed,
+// nothing booked.
 func (p *Pool) book(key string, batch []*Job) {
+	p.mu.Lock()
+	if p.closed {
+		for _, j := range batch {
+			p.moveLocked(j, done, ErrClosed)
+		}
+		p.mu.Unlock()
+		return
+	}
+	p.flying[key]++
+	p.mu.Unlock()
 	reqs := make([]reserve.BatchRequest, len(batch))
 	for i, j := range batch {
 		// A booking made late by the reply's latency is the pool's to
@@ -236,6 +257,9 @@ func (p *Pool) book(key string, batch []*Job) {
 
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if p.flying[key]--; p.flying[key] == 0 {
+		delete(p.flying, key)
+	}
 	var retryAt time.Time
 	// Backwards, so that jobs going back to the front of the backlog keep
 	// their order.
@@ -250,7 +274,7 @@ func (p *Pool) book(key string, batch []*Job) {
 		case r.OK():
 			// If its context has ended meanwhile, or the pool closed, the
 			// dispatcher gives it back next.
-			j.res = r
+			j.res, j.at, j.act = r, r.Booking().At, r.SlotAt()
 			j.seq = p.bookings + uint64(i)
 			p.moveLocked(j, booked, nil)
 		case errors.Is(r.Err(), deadline.ErrMaxWaitExceeded) && j.ctx.Err() == nil && !p.closed:
@@ -260,10 +284,11 @@ func (p *Pool) book(key string, batch []*Job) {
 			retryAt = earliest(retryAt, now.Add(r.RetryAfter()-maxWait))
 		default:
 			j.res = r
-			if r.Booking().OK {
+			if b := r.Booking(); b.OK {
 				// Refused, late, yet booked: the job is done, and its
-				// booking owed.
-				j.seq = p.bookings + uint64(i)
+				// booking owed. Its slot comes locally no earlier than
+				// reserve would have it (the reply was in before now).
+				j.seq, j.at, j.act = p.bookings+uint64(i), b.At, now.Add(b.Wait)
 				p.owed = append(p.owed, j)
 			}
 			p.moveLocked(j, done, outcome(j, r, p.closed))

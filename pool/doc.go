@@ -36,11 +36,14 @@
 //     of the pool on its key: before the job reports done, if no later
 //     booking of its key is still wanted. If one is, the job reports done
 //     at once and its booking is owed: given back once the later ones are
-//     given back (so jobs cancelled in any order give back all their
-//     room) or run (if its slot has come by then, nothing is sent). A
-//     booking refused on arrival because the reply's latency left its job
-//     too little time is owed in the same way. Job.Reservation hands out a
-//     view: a caller's Cancel of it cannot get in the way.
+//     (so jobs cancelled in any order give back all their room), or
+//     forgotten once its slot has come (a later booking that runs stands
+//     on it, and it could give nothing back). A booking refused on
+//     arrival because the reply's latency left its job too little time is
+//     owed in the same way. While a booking call for a key is in flight
+//     (with WithLease, jobs book one by one), no booking of that key is
+//     given back: the call may book after them. Job.Reservation hands out
+//     a view: a caller's Cancel of it cannot get in the way.
 //   - Failures. A batch whose Redis call fails ends its jobs with the error
 //     (a lost reply may have booked; nothing is given back for it).
 //   - Panics. A job's panic becomes its error, a *PanicError with the panic

@@ -3,7 +3,6 @@ package pool
 import (
 	"context"
 	"errors"
-	"slices"
 	"time"
 
 	"github.com/slotbook/slotbook/lease"
@@ -64,29 +63,12 @@ func (p *Pool) leaseAndBook(key string, batch []*Job) {
 			}
 			p.mu.Lock()
 			j.lease = l
-			if p.closed { // the dispatcher may have returned: end it here
-				p.moveLocked(j, done, ErrClosed) // gives the lease back
-				p.mu.Unlock()
-				return
-			}
 			p.mu.Unlock()
+			// If the pool is closed, book ends the job (giving the lease
+			// back); if not, the dispatcher stays until the booking is
+			// in, and gives it back with the others of its key, latest
+			// first, if it is not to run.
 			p.book(key, []*Job{j})
-			// If the pool closed while the booking was in flight, the
-			// dispatcher may have returned without seeing it: give it back
-			// here (booked, or owed if refused late), unless the
-			// dispatcher has taken it.
-			p.mu.Lock()
-			switch {
-			case p.closed && j.state == booked:
-				p.moveLocked(j, refunding, ErrClosed)
-			case p.closed && slices.Contains(p.owed, j):
-				p.owed = slices.DeleteFunc(p.owed, func(o *Job) bool { return o == j })
-			default:
-				p.mu.Unlock()
-				return
-			}
-			p.mu.Unlock()
-			p.giveBack([]*Job{j})
 		}()
 	}
 }

@@ -42,6 +42,7 @@ type Pool struct {
 	turns    list.List            // of *keyQueue: the same keys, in turn
 	slots    jobHeap              // booked jobs, earliest slot first
 	owed     []*Job               // done jobs whose booking is still to give back (see takeRefundsLocked)
+	flying   map[string]int       // keys with booking calls in flight: how many (see book)
 	free     int                  // workers held by no job and no Acquire caller
 	waiters  list.List            // of chan struct{}: Acquire callers waiting for a worker, first first
 	pending  int                  // jobs submitted and not done
@@ -77,6 +78,7 @@ func New(lim *reserve.Limiter, opts ...Option) (*Pool, error) {
 		wake:    make(chan struct{}, 1),
 		quit:    make(chan struct{}),
 		queues:  make(map[string]*keyQueue),
+		flying:  make(map[string]int),
 		idle:    make(chan struct{}),
 	}
 	for _, opt := range opts {

@@ -90,7 +90,7 @@ func TestRefundableTakesTheLatestBookings(t *testing.T) {
 				for _, seq := range order {
 					js = append(js, &Job{ctx: ctx, seq: seq, key: "k", state: booked})
 				}
-				give, owe := refundable(js, nil, false)
+				give, owe := refundable(js, nil, false, nil)
 				requireLatestFirst(t, js, give, owe)
 			})
 		}
@@ -120,7 +120,7 @@ func TestRefundableChildContexts(t *testing.T) {
 		slots := slices.Clone(js)
 		for _, i := range rng.Perm(n) { // the children end one by one
 			*ctxs[i] = ended{Context: context.Background(), yes: true}
-			give, owe := refundable(slots, owed, false)
+			give, owe := refundable(slots, owed, false, nil)
 			for k := range keys {
 				key := fmt.Sprint("k", k)
 				in := func(j *Job) bool { return j.key == key }
