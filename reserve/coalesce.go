@@ -133,7 +133,7 @@ func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
 // ends the wait (waitbound).
 func (l *Limiter) sendAlone(key string, c *call) (*Reservation, error) {
 	k := l.subjectKey(key)
-	l.giveBackLate(c.ctx, k, l.book(waitbound.Detach(c.ctx), k, c.alone()), true)
+	l.giveBackLate(c.ctx, k, l.book(waitbound.Detach(c.ctx), k, c.alone()), nil)
 	return c.finish()
 }
 
@@ -212,8 +212,9 @@ func (l *Limiter) send(ctx context.Context, key string, batch []*call) {
 	}
 	k := l.subjectKey(key)
 	late := l.book(bctx, k, batch)
+	after := lateAfter(late, batch)
 	l.handOn(key, batch)
-	l.giveBackLate(ctx, k, late, len(batch) == 1)
+	l.giveBackLate(ctx, k, late, after)
 }
 
 // handOn names the first caller queued meanwhile the key's next leader,

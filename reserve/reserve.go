@@ -322,7 +322,7 @@ func (l *Limiter) ReserveN(ctx context.Context, key string, n int) (*Reservation
 		return l.coalesced(key, c)
 	}
 	k := l.subjectKey(key)
-	l.giveBackLate(ctx, k, l.book(ctx, k, []*call{c}), true)
+	l.giveBackLate(ctx, k, l.book(ctx, k, []*call{c}), nil)
 	if c.ended { // ended after the check above, before anything was sent
 		return nil, c.res.err
 	}
@@ -345,12 +345,13 @@ type BatchRequest struct {
 	// gives such a booking back itself.
 	//
 	// A caller that gives back several bookings of one key (a pool whose
-	// jobs are cancelled) sets it on every request of the batch, so that
-	// it can give them all back latest first: a booking gives its room
-	// back only while nothing booked after it stands (see
-	// Reservation.Cancel), and ReserveBatch cannot know which of the later
-	// ones the caller will give back. (ReserveBatch gives back the late
-	// bookings it does not hold before it returns.)
+	// jobs are cancelled) sets it, so that it can give them all back
+	// latest first: a booking gives its room back only while nothing
+	// booked after it stands (see Reservation.Cancel), and ReserveBatch
+	// cannot know which of the later ones the caller will give back. (The
+	// late bookings ReserveBatch gives back itself go out after the batch
+	// has returned, so as not to hold back the others' answers; a Cancel
+	// of any Reservation of the batch waits until they are in.)
 	HoldLate bool
 }
 
@@ -385,9 +386,8 @@ func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequ
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	// Before returning, so that the caller's own give-backs (of held
-	// bookings, say) come after these.
-	l.giveBackLate(ctx, k, l.book(ctx, k, calls), true)
+	late := l.book(ctx, k, calls)
+	l.giveBackLate(ctx, k, late, lateAfter(late, calls))
 	out := make([]*Reservation, len(calls))
 	for i, c := range calls {
 		if c.err != nil {
@@ -508,10 +508,11 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 
 // giveBackLate gives back the bookings book refused once the reply was in,
 // latest first: a booking gives its room back only while nothing booked
-// after it stands on it. Where calls other than the refused one are
-// waiting on the same batch, it is run on a goroutine of its own (bounded
-// by a one-second timeout), after they have their answers.
-func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.Booking, alone bool) {
+// after it stands on it. With after (see lateAfter) it runs on a goroutine
+// of its own, so that the batch's other calls have their answers first,
+// and closes after once done; without, before it returns. Either way it is
+// bounded by a one-second timeout.
+func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.Booking, after chan struct{}) {
 	if len(late) == 0 {
 		return
 	}
@@ -522,11 +523,35 @@ func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.
 			_, _ = l.eng.RefundAll(cctx, l.keysOf(key), l.limits, late[i])
 		}
 	}
-	if alone {
+	if after == nil {
 		run()
 		return
 	}
-	go run()
+	go func() {
+		defer close(after)
+		run()
+	}()
+}
+
+// lateAfter returns, for a batch of several calls of which some were
+// refused late (late), a channel that giveBackLate closes once it has
+// given them back, and has every Reservation of the batch wait for it
+// before it gives its own booking back (Cancel): a booking of the batch
+// given back before a later one that is given back late would give
+// nothing. It returns nil for a call alone or nothing late: giveBackLate
+// then gives back before the caller has its answer. It is called before
+// any of calls has its answer.
+func lateAfter(late []throttle.Booking, calls []*call) chan struct{} {
+	if len(late) == 0 || len(calls) == 1 {
+		return nil
+	}
+	after := make(chan struct{})
+	for _, c := range calls {
+		if c.res != nil {
+			c.res.after = after
+		}
+	}
+	return after
 }
 
 // pastDeadline reports whether a caller acting at act would not finish
@@ -602,6 +627,7 @@ type Reservation struct {
 	local    []*rate.Reservation // LocalShare's bookings, one per limit
 	held     bool                // a refusal holding its booking (BatchRequest.HoldLate)
 	view     bool                // made by View: Cancel gives nothing back
+	after    <-chan struct{}     // Cancel waits for it: the batch's own late refunds (see lateAfter)
 
 	mu       sync.Mutex // guards canceled
 	canceled bool
@@ -701,6 +727,9 @@ func (r *Reservation) giveBack(ctx context.Context) {
 // nothing back (x/time/rate gives part, and can then let a later request
 // through early). A Pause made after the booking keeps its room too.
 //
+// A Reservation of a batch (ReserveBatch, or callers of one key sharing a
+// call) in which a later booking was refused late waits until that
+// booking has been given back (at most a second) before giving its own.
 // Once the slot has come nothing is given back, and Cancel makes no Redis
 // call. Cancelling twice, cancelling a View, or cancelling a refusal does
 // nothing, but for a late refusal held for the caller
@@ -711,6 +740,13 @@ func (r *Reservation) giveBack(ctx context.Context) {
 func (r *Reservation) Cancel(ctx context.Context) error {
 	if r.view || (!r.OK() && !r.held) {
 		return nil
+	}
+	if r.after != nil {
+		select {
+		case <-r.after:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()

@@ -343,11 +343,11 @@ func TestReviewHoldLateFallback(t *testing.T) {
 // gives it back itself). The caller gives the held one back as soon as
 // ReserveBatch returns. Nothing of either stands, nothing was booked after
 // them: both rooms must come back, so the next booking takes the held
-// one's slot. Failed before ReserveBatch gave its late bookings back
-// before returning: it did so on a goroutine, since another request
-// shared the batch, and when the caller's refund reached Redis first the
-// held one gave nothing back (the later booking still stood on it), its
-// room lost until its slot passed (2 to 4 rounds of 8).
+// one's slot. Failed before a Cancel of a Reservation of the batch waited
+// for ReserveBatch's own give-backs, which run on a goroutine since
+// another request shares the batch: when the caller's refund reached
+// Redis first the held one gave nothing back (the later booking still
+// stood on it), its room lost until its slot passed (2 to 4 rounds of 8).
 func TestReviewHoldLateMixedBatchCancel(t *testing.T) {
 	t.Parallel()
 	eng, p, _ := latencyEngine(t)
