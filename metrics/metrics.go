@@ -24,6 +24,9 @@
 //	                                                 master of a Cluster): while open, calls for subjects
 //	                                                 on that node fail fast or the fallback answers
 //
+// A call that books for several limiters at once (a merged call, see
+// throttle.WithMerging) counts once for each of them in the call metrics.
+//
 // One Collector serves any number of engines: give it to each with
 // throttle.WithObserver. The breaker gauge counts each engine's breaker for
 // a node (0 or 1 with one engine per Redis), so one engine's outage never

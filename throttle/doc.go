@@ -93,13 +93,19 @@
 // connection busy are merged (WithMerging, on by default, for a client
 // that is not a Cluster's): they wait at the gate together, and go out in
 // one call when a connection frees, each judged as it would be alone.
-// That call is one call for the breaker, the timeout and the Observer
-// (ObserveCall, labelled with its first key's name), and each booking's
-// error is the call's: a lost reply is ErrReplyLost for every booking in
-// it. A request leaves while it waits, as a call at the gate does; once
-// sent, its answer comes with the call's, bounded by the engine's
-// timeout rather than by its own context. A booking whose key holds a
-// value that is not a TAT is sent again alone, and gets its own error.
+// That call is one call for the breaker and the timeout, and for the
+// Observer one for each limiter name among its keys (ObserveCall); each
+// booking's error is the call's: a lost reply is ErrReplyLost for every
+// booking in it. A request leaves while it waits, as a call at the gate
+// does; once sent, its answer comes with the call's, bounded by the
+// engine's timeout rather than by its own context (a caller whose context
+// ends meanwhile gets its booking, not ErrReplyLost). A booking whose key
+// holds a value that is not a TAT, or cannot be written (out of memory),
+// or that the server refuses the call for (NOPERM: an ACL user may not
+// touch one of the keys) is sent again alone, and gets its own answer. A
+// server that wants every call's keys in one hash slot (CROSSSLOT, MOVED
+// or ASK: a cluster-enabled node, or a proxy in front of shards) has the
+// call's bookings sent again alone, and the engine merges no more.
 //
 // The engine keeps one breaker per Redis node, the failure domain: the
 // client's server, or, for a Redis Cluster, the master that owns the key's

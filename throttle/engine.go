@@ -267,7 +267,8 @@ func WithTimeout(d time.Duration) Option {
 // be alone. It is used only where it can be: a client that is not a
 // Cluster's (whose keys may lie on different nodes), whose pool size is
 // known (a go-redis Client), and an engine with a timeout (which bounds
-// the merged call, since no one request's context may cut it short).
+// the merged call, since no one request's context may cut it short). See
+// the package doc for how a merged call's errors reach each booking.
 func WithMerging(on bool) Option {
 	return func(e *Engine) error {
 		e.noMerging = !on

@@ -4,8 +4,13 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"slices"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/slotbook/slotbook/internal/waitbound"
 )
@@ -33,6 +38,7 @@ const maxMerge = 64
 // known pool size and a timeout.
 type merger struct {
 	e    *Engine
+	off  atomic.Bool // set once the server refused a merged call's keys as not one slot's
 	mu   sync.Mutex  // guards open, and each batch's items and taken
 	open *mergeBatch // the batch taking requests, if any
 }
@@ -67,8 +73,8 @@ type mergeAnswer struct {
 // sends the request alone).
 func (m *merger) book(ctx context.Context, key string, limit Limit, req Request) (b Booking, err error, merged bool) {
 	gate := m.e.fixed.gate
-	if len(gate) < cap(gate) || nowArg(ctx) != "" {
-		return Booking{}, nil, false // a connection is free (or a test clock): alone
+	if len(gate) < cap(gate) || nowArg(ctx) != "" || m.off.Load() {
+		return Booking{}, nil, false // a connection is free (or a test clock, or no merging here): alone
 	}
 	it := &mergeItem{key: key, limit: limit, req: req, answer: make(chan mergeAnswer, 1)}
 	m.mu.Lock()
@@ -196,15 +202,29 @@ func (m *merger) send(ctx context.Context, t turn, items []*mergeItem) []mergeAn
 		a = append(a, I, I*int64(x.limit.Burst), x.req.N, w)
 	}
 	answers := make([]mergeAnswer, k)
-	reply, err := e.exec(context.WithoutCancel(ctx), t, bookManyScript, full, a, label(items[0].key))
+	lbl := label(items[0].key)
+	reply, err := e.exec(context.WithoutCancel(ctx), t, bookManyScript, full, a, lbl)
+	// The call counts for every limiter in it, not only the first's.
+	took := time.Since(t.start)
+	seen := []string{lbl}
+	for _, x := range items[1:] {
+		if l := label(x.key); !slices.Contains(seen, l) {
+			seen = append(seen, l)
+			e.observer.ObserveCall(l, took, err)
+		}
+	}
 	var vals []int64
 	if err == nil {
 		// Room after the reply's values for each booking's end.
 		vals, err = int64sCap(reply, 1+2*k, k)
 	}
 	if err != nil {
+		alone, off := refusedBeforeRun(err)
+		if off {
+			m.off.Store(true)
+		}
 		for i := range answers {
-			answers[i].err = err
+			answers[i].err, answers[i].alone = err, alone
 		}
 		return answers
 	}
@@ -238,4 +258,25 @@ func single(now int64, starts []int64, w int64, n int, limit Limit, end []int64)
 		b.ends = end
 	}
 	return b
+}
+
+// refusedBeforeRun reports whether err is Redis refusing a merged call's
+// keys before running it (nothing booked): alone, each request is sent
+// again by itself, to be answered on its own key. NOPERM: an ACL user may
+// not touch one of the keys (the others' callers must not fail for it).
+// CROSSSLOT, MOVED, ASK: the server (a cluster-enabled node, or a proxy in
+// front of shards behind one address) wants every call's keys in one
+// slot: off, the engine stops merging.
+func refusedBeforeRun(err error) (alone, off bool) {
+	var rerr redis.Error
+	if !errors.As(err, &rerr) {
+		return false, false
+	}
+	msg := rerr.Error()
+	for _, p := range []string{"CROSSSLOT ", "MOVED ", "ASK "} {
+		if strings.HasPrefix(msg, p) {
+			return true, true
+		}
+	}
+	return strings.HasPrefix(msg, "NOPERM "), false
 }

@@ -116,7 +116,9 @@ func (e *Engine) Book(ctx context.Context, key string, limit Limit, req Request)
 //
 // Bad input (an invalid limit, an empty or over-long key, N <= 0,
 // N > Burst+1, a negative MaxWait, no requests or more than MaxBatch) is
-// reported before any Redis call.
+// reported before any Redis call. A single request that finds every
+// connection busy may share its call with other keys' (see WithMerging):
+// once sent, it is not cut short when ctx ends.
 func (e *Engine) BookBatch(ctx context.Context, key string, limit Limit, reqs []Request) ([]Booking, error) {
 	return e.BookAll(ctx, []string{key}, []Limit{limit}, reqs)
 }

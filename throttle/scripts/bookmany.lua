@@ -10,8 +10,10 @@
 -- reply    {now, then for each key in turn: tat, w}: tat and w as
 --          book1.lua answers them; tat = -1 (w = 0) for a key whose stored
 --          value could not be read as a TAT (or not read at: a key of
---          another type), on which nothing was done: the engine sends that
---          request again alone, to answer it with its own error.
+--          another type), or whose SET failed (out of memory), on which
+--          nothing was done: the engine sends that request again alone, to
+--          answer it with its own error. A key given again after such a
+--          failure gets the same answer.
 -- now: set by clock.lua, put before this script by the engine.
 local out = {now}
 local cur = {} -- key -> its TAT as this call left it, or false if unread
@@ -35,9 +37,13 @@ for i = 1, #KEYS do
       out[2 * i], out[2 * i + 1] = tat, -1 - wait
     else
       local new = tat + n * interval
-      redis.call('SET', key, string.format('%d', new), 'PX', px(new, now, hold))
-      out[2 * i], out[2 * i + 1] = tat, wait
-      cur[key] = new
+      if pcall(redis.call, 'SET', key, string.format('%d', new), 'PX', px(new, now, hold)) then
+        out[2 * i], out[2 * i + 1] = tat, wait
+        cur[key] = new
+      else
+        out[2 * i], out[2 * i + 1] = -1, 0
+        cur[key] = false
+      end
     end
   end
 end
