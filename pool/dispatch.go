@@ -13,12 +13,16 @@ import (
 	"github.com/slotbook/slotbook/throttle"
 )
 
-// dispatch is the pool's one goroutine besides the running jobs. Each time
-// it wakes (on any change of state, at the next slot or retry time, or at
-// Close) it looks at the whole state and, in this order: takes the
-// bookings of cancelled jobs to give back (all of them, and gives them back
-// before booking again), starts the jobs whose slot has come, books one
-// batch. Once closed, it gives back what is booked and returns.
+// dispatch is the pool's goroutine that decides. Each time it wakes (on
+// any change of state, at the next slot or retry time, or at Close) it
+// looks at the whole state and, in this order: takes the bookings of
+// cancelled jobs to give back (all of them, and gives them back before
+// booking again), starts the jobs whose slot has come, and sends one batch
+// off to be booked on a goroutine of its own (book), one batch per key at
+// a time and up to maxFlights at once, so that many keys are booked side
+// by side (and share Redis calls, see throttle.WithMerging). Once closed,
+// it waits for the batches in flight, gives back what is booked and
+// returns.
 func (p *Pool) dispatch() {
 	defer p.wg.Done()
 	timer := time.NewTimer(time.Hour)
@@ -39,6 +43,9 @@ func (p *Pool) dispatch() {
 		if len(refunds) == 0 {
 			key, batch, wakeAt = p.takeBatchLocked(now)
 		}
+		if len(batch) > 0 && p.sem == nil {
+			p.flying[key]++ // until book has the answers
+		}
 		if len(p.slots) > 0 {
 			wakeAt = earliest(wakeAt, p.slots[0].res.SlotAt())
 		}
@@ -52,7 +59,11 @@ func (p *Pool) dispatch() {
 			p.leaseAndBook(key, batch) // lease first, then the slot: see WithLease
 			continue
 		case len(batch) > 0:
-			p.book(key, batch)
+			p.wg.Add(1)
+			go func() {
+				defer p.wg.Done()
+				p.book(key, batch)
+			}()
 			continue
 		case stopped:
 			return
@@ -197,9 +208,15 @@ func (p *Pool) takeBatchLocked(now time.Time) (key string, batch []*Job, retryAt
 	if len(p.slots) > p.lowBooked && p.free < p.batchMin {
 		return "", nil, time.Time{} // enough booked; wait to book many at once
 	}
+	if p.sem == nil && len(p.flying) >= maxFlights {
+		return "", nil, time.Time{} // a batch coming back wakes the dispatcher
+	}
 	for n := p.turns.Len(); n > 0 && p.turns.Len() > 0; n-- {
 		q := p.turns.Front().Value.(*keyQueue)
 		p.turns.MoveToBack(q.turn)
+		if p.sem == nil && p.flying[q.key] > 0 {
+			continue // one batch of a key at a time: its answer wakes the dispatcher
+		}
 		if q.notBefore.After(now) {
 			retryAt = earliest(retryAt, q.notBefore)
 			continue
@@ -223,22 +240,15 @@ func (p *Pool) takeBatchLocked(now time.Time) (key string, batch []*Job, retryAt
 	return "", nil, retryAt
 }
 
+// maxFlights is the most batches a pool without leases has in flight at
+// once (each for a key of its own).
+const maxFlights = 64
+
 // book books batch for key in one Redis call and moves each job on by its
-// answer. The call counts as in flight for key (flying) until then: the
-// dispatcher gives no booking of key back meanwhile, and does not return.
-// If the pool is closed before the call, its jobs end with ErrClosed,
-// nothing booked.
+// answer. The caller has counted the call in flight for key (flying),
+// which book undoes with the answers: meanwhile the dispatcher gives no
+// booking of key back, and does not return.
 func (p *Pool) book(key string, batch []*Job) {
-	p.mu.Lock()
-	if p.closed {
-		for _, j := range batch {
-			p.moveLocked(j, done, ErrClosed)
-		}
-		p.mu.Unlock()
-		return
-	}
-	p.flying[key]++
-	p.mu.Unlock()
 	reqs := make([]reserve.BatchRequest, len(batch))
 	for i, j := range batch {
 		// A booking made late by the reply's latency is the pool's to

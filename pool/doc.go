@@ -15,10 +15,13 @@
 //     once, counting the callers of Pool.Acquire, which take workers from
 //     the same set. A worker given back goes first to an Acquire caller
 //     waiting for one, otherwise to the backlog at once.
-//   - Batches. The pool books for one key at a time, up to its share of the
-//     free workers, and waits until many workers are free before booking
-//     again unless few jobs are left booked: a backlog costs far fewer than
-//     one Redis call per job. Keys with backlog take turns.
+//   - Batches. The pool books a batch for a key up to the key's share of
+//     the free workers, and waits until many workers are free before
+//     booking again unless few jobs are left booked: a backlog costs far
+//     fewer than one Redis call per job. Keys with backlog take turns; the
+//     batches of different keys are booked side by side (one batch per key
+//     at a time), and where every connection is busy their calls merge
+//     (throttle.WithMerging).
 //   - Leases. With WithLease, a job also holds a lease of a
 //     lease.Semaphore for its key (at most N across every process): it
 //     takes the lease first, then books its slot alone (not in a batch),

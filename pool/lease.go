@@ -63,11 +63,16 @@ func (p *Pool) leaseAndBook(key string, batch []*Job) {
 			}
 			p.mu.Lock()
 			j.lease = l
-			p.mu.Unlock()
-			// If the pool is closed, book ends the job (giving the lease
-			// back); if not, the dispatcher stays until the booking is
-			// in, and gives it back with the others of its key, latest
+			if p.closed { // the dispatcher may have returned: end it here
+				p.moveLocked(j, done, ErrClosed) // gives the lease back
+				p.mu.Unlock()
+				return
+			}
+			// In flight: the dispatcher stays until the booking is in,
+			// and gives it back with the others of its key, latest
 			// first, if it is not to run.
+			p.flying[key]++
+			p.mu.Unlock()
 			p.book(key, []*Job{j})
 		}()
 	}
