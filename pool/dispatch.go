@@ -16,13 +16,14 @@ import (
 // dispatch is the pool's goroutine that decides. Each time it wakes (on
 // any change of state, at the next slot or retry time, or at Close) it
 // looks at the whole state and, in this order: takes the bookings of
-// cancelled jobs to give back (all of them, and gives them back before
-// booking again), starts the jobs whose slot has come, and sends one batch
+// cancelled jobs to give back and sends them off to be given back on a
+// goroutine of its own (giveBack; their keys are not booked again until
+// that is done), starts the jobs whose slot has come, and sends one batch
 // off to be booked on a goroutine of its own (book), one batch per key at
 // a time and up to maxFlights at once, so that many keys are booked side
 // by side (and share Redis calls, see throttle.WithMerging). Once closed,
-// it waits for the batches in flight, gives back what is booked and
-// returns.
+// it waits for the batches in flight, gives back what is booked, waits
+// for the give-backs and returns.
 func (p *Pool) dispatch() {
 	defer p.wg.Done()
 	timer := time.NewTimer(time.Hour)
@@ -38,8 +39,14 @@ func (p *Pool) dispatch() {
 			wakeAt time.Time
 			// Closed, every booking taken (see takeRefundsLocked), and
 			// no booking call in flight (one that lands is given back).
-			stopped = p.closed && len(refunds) == 0 && len(p.flying) == 0
+			stopped = p.closed && len(refunds) == 0 && len(p.flying) == 0 && len(p.giving) == 0
+			// Once closed, quit is always ready: wait for what wakes the
+			// dispatcher (a batch's answers) instead.
+			quit = p.quit
 		)
+		if p.closed {
+			quit = nil
+		}
 		if len(refunds) == 0 {
 			key, batch, wakeAt = p.takeBatchLocked(now)
 		}
@@ -53,7 +60,13 @@ func (p *Pool) dispatch() {
 
 		switch {
 		case len(refunds) > 0:
-			p.giveBack(refunds)
+			// On a goroutine of its own, so that other keys are booked and
+			// started meanwhile; the keys given back are not (giving).
+			p.wg.Add(1)
+			go func() {
+				defer p.wg.Done()
+				p.giveBack(refunds)
+			}()
 			continue
 		case len(batch) > 0 && p.sem != nil:
 			p.leaseAndBook(key, batch) // lease first, then the slot: see WithLease
@@ -76,7 +89,7 @@ func (p *Pool) dispatch() {
 		select {
 		case <-p.wake:
 		case <-timer.C:
-		case <-p.quit:
+		case <-quit:
 		}
 	}
 }
@@ -99,18 +112,29 @@ func earliest(a, b time.Time) time.Time {
 // judges it: there is nothing left to give). A booking refused late (see
 // book) is owed too. p.mu is held.
 func (p *Pool) takeRefundsLocked(now time.Time) []*Job {
-	p.owed = slices.DeleteFunc(p.owed, func(j *Job) bool { return !j.act.After(now) && !j.at.After(now) })
-	give, owe := refundable(p.slots, p.owed, p.closed, p.flying)
+	p.owed = slices.DeleteFunc(p.owed, func(j *Job) bool {
+		if j.act.After(now) || j.at.After(now) {
+			return false
+		}
+		if j.state == refunding { // refused late: nothing left to give
+			p.moveLocked(j, done, j.err)
+		}
+		return true
+	})
+	give, owe := refundable(p.slots, p.owed, p.closed, func(key string) bool { return p.flying[key] > 0 || p.giving[key] > 0 })
 	p.owed = slices.DeleteFunc(p.owed, func(j *Job) bool { return slices.Contains(give, j) })
 	for _, j := range give {
 		if j.state == booked {
 			p.moveLocked(j, refunding, endErr(j))
 		}
+		p.giving[j.key]++ // until giveBack is done: no booking of the key meanwhile
 	}
 	for _, j := range owe {
-		p.moveLocked(j, refunding, endErr(j))
+		if j.state == booked {
+			p.moveLocked(j, refunding, endErr(j))
+			p.owed = append(p.owed, j)
+		}
 		p.moveLocked(j, done, j.err)
-		p.owed = append(p.owed, j)
 	}
 	return give
 }
@@ -134,15 +158,15 @@ func endErr(j *Job) error {
 // order of booking), give takes bookings until one that is still wanted
 // (a job whose context has not ended); that one and every booking before
 // it stay: the unwanted among them are owed (owe), to be given back once
-// everything after them is. A key with a booking call in flight (flying,
-// see WithLease) counts as wanted above all its bookings: the call may
-// book after them.
+// everything after them is. A busy key (a booking call in flight, which
+// may book after them; or bookings being given back, which must reach
+// Redis first) counts as wanted above all its bookings.
 // Contexts shared by many jobs end at once, and a parent's children one
 // by one; either way what give takes is given back in full, and the rest
 // at a later look, after it. Taking an earlier booking while a later one
 // stands would give nothing back (and leave the earlier one's tombstone,
 // so it never could), and nor would any booked before it.
-func refundable(slots, owed []*Job, closed bool, flying map[string]int) (give, owe []*Job) {
+func refundable(slots, owed []*Job, closed bool, busy func(key string) bool) (give, owe []*Job) {
 	if !closed && len(owed) == 0 && !slices.ContainsFunc(slots, func(j *Job) bool { return j.ctx.Err() != nil }) {
 		return nil, nil // the common case: nothing to give back, nothing sorted
 	}
@@ -154,14 +178,14 @@ func refundable(slots, owed []*Job, closed bool, flying map[string]int) (give, o
 	wanted := false // a booking of this key, later than j, is still wanted
 	for i, j := range js {
 		if i == 0 || j.key != js[i-1].key {
-			wanted = flying[j.key] > 0
+			wanted = busy(j.key)
 		}
 		switch {
 		case j.state == booked && !closed && j.ctx.Err() == nil:
 			wanted = true
 		case !wanted:
 			give = append(give, j)
-		case j.state == booked:
+		case j.state == booked || j.state == refunding: // refunding: refused late, not yet done
 			owe = append(owe, j)
 		}
 	}
@@ -185,7 +209,12 @@ func (p *Pool) giveBack(js []*Job) {
 		if j.state == refunding {
 			p.moveLocked(j, done, j.err)
 		}
+		if p.giving[j.key]--; p.giving[j.key] == 0 {
+			delete(p.giving, j.key)
+		}
 	}
+	p.gave.Broadcast()
+	p.nudge()
 }
 
 // startDueLocked starts the booked jobs whose slot has come. p.mu is held.
@@ -214,8 +243,8 @@ func (p *Pool) takeBatchLocked(now time.Time) (key string, batch []*Job, retryAt
 	for n := p.turns.Len(); n > 0 && p.turns.Len() > 0; n-- {
 		q := p.turns.Front().Value.(*keyQueue)
 		p.turns.MoveToBack(q.turn)
-		if p.sem == nil && p.flying[q.key] > 0 {
-			continue // one batch of a key at a time: its answer wakes the dispatcher
+		if p.giving[q.key] > 0 || (p.sem == nil && p.flying[q.key] > 0) {
+			continue // one batch of a key at a time, and none while its bookings go back: either wakes the dispatcher when done
 		}
 		if q.notBefore.After(now) {
 			retryAt = earliest(retryAt, q.notBefore)
@@ -295,11 +324,16 @@ func (p *Pool) book(key string, batch []*Job) {
 		default:
 			j.res = r
 			if b := r.Booking(); b.OK {
-				// Refused, late, yet booked: the job is done, and its
-				// booking owed. Its slot comes locally no earlier than
-				// reserve would have it (the reply was in before now).
+				// Refused, late, yet booked: its booking is the pool's to
+				// give back, latest first with the others of its key,
+				// before the job is done; or, under a later booking still
+				// wanted, owed, and the job done at once (see
+				// takeRefundsLocked). Its slot comes locally no earlier
+				// than reserve would have it (the reply was in before now).
 				j.seq, j.at, j.act = p.bookings+uint64(i), b.At, now.Add(b.Wait)
+				p.moveLocked(j, refunding, r.Err())
 				p.owed = append(p.owed, j)
+				break
 			}
 			p.moveLocked(j, done, outcome(j, r, p.closed))
 		}

@@ -63,6 +63,11 @@ func (p *Pool) leaseAndBook(key string, batch []*Job) {
 			}
 			p.mu.Lock()
 			j.lease = l
+			// Bookings of the key being given back must reach Redis
+			// before this one, or they would give nothing back.
+			for p.giving[key] > 0 {
+				p.gave.Wait()
+			}
 			if p.closed { // the dispatcher may have returned: end it here
 				p.moveLocked(j, done, ErrClosed) // gives the lease back
 				p.mu.Unlock()

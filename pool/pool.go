@@ -41,8 +41,10 @@ type Pool struct {
 	queues   map[string]*keyQueue // the backlog, by key; only keys with backlog
 	turns    list.List            // of *keyQueue: the same keys, in turn
 	slots    jobHeap              // booked jobs, earliest slot first
-	owed     []*Job               // done jobs whose booking is still to give back (see takeRefundsLocked)
+	owed     []*Job               // jobs whose booking is still to give back: done, or refused late and refunding (see takeRefundsLocked)
 	flying   map[string]int       // keys with booking calls in flight: how many (see book)
+	giving   map[string]int       // keys with bookings being given back: how many (see giveBack)
+	gave     sync.Cond            // on mu: signalled when giveBack is done (a key's giving may be 0)
 	free     int                  // workers held by no job and no Acquire caller
 	waiters  list.List            // of chan struct{}: Acquire callers waiting for a worker, first first
 	pending  int                  // jobs submitted and not done
@@ -79,6 +81,7 @@ func New(lim *reserve.Limiter, opts ...Option) (*Pool, error) {
 		quit:    make(chan struct{}),
 		queues:  make(map[string]*keyQueue),
 		flying:  make(map[string]int),
+		giving:  make(map[string]int),
 		idle:    make(chan struct{}),
 	}
 	for _, opt := range opts {
@@ -87,6 +90,7 @@ func New(lim *reserve.Limiter, opts ...Option) (*Pool, error) {
 		}
 	}
 	p.free = p.workers
+	p.gave.L = &p.mu
 	// Book for a quarter of the workers or fewer only when the booked
 	// queue is running dry; otherwise wait until three quarters are free,
 	// so that each Redis call books many jobs.

@@ -90,7 +90,7 @@ func TestRefundableTakesTheLatestBookings(t *testing.T) {
 				for _, seq := range order {
 					js = append(js, &Job{ctx: ctx, seq: seq, key: "k", state: booked})
 				}
-				give, owe := refundable(js, nil, false, nil)
+				give, owe := refundable(js, nil, false, notBusy)
 				requireLatestFirst(t, js, give, owe)
 			})
 		}
@@ -120,7 +120,7 @@ func TestRefundableChildContexts(t *testing.T) {
 		slots := slices.Clone(js)
 		for _, i := range rng.Perm(n) { // the children end one by one
 			*ctxs[i] = ended{Context: context.Background(), yes: true}
-			give, owe := refundable(slots, owed, false, nil)
+			give, owe := refundable(slots, owed, false, notBusy)
 			for k := range keys {
 				key := fmt.Sprint("k", k)
 				in := func(j *Job) bool { return j.key == key }
@@ -157,3 +157,6 @@ func TestRefundableChildContexts(t *testing.T) {
 		require.Len(t, given, n, "round %d", round)
 	}
 }
+
+// notBusy is refundable's busy for a pool with no call in flight.
+func notBusy(string) bool { return false }

@@ -34,11 +34,11 @@ func (s jobState) holdsWorker() bool { return s >= booking && s <= refunding }
 // moves[from] has the bit 1<<to set for each legal move.
 var moves = [...]uint8{
 	submitted: 1 << queued,
-	queued:    1<<booking | 1<<done,            // taken into a batch, or cancelled or closed
-	booking:   1<<booked | 1<<queued | 1<<done, // booked; refused by the max wait (not yet); refused, failed, or no longer wanted
-	booked:    1<<running | 1<<refunding,       // its slot came; cancelled or closed
-	running:   1 << done,                       // returned (or panicked)
-	refunding: 1 << done,                       // given back
+	queued:    1<<booking | 1<<done,                           // taken into a batch, or cancelled or closed
+	booking:   1<<booked | 1<<queued | 1<<refunding | 1<<done, // booked; refused by the max wait (not yet); refused late, its booking to give back; refused, failed, or no longer wanted
+	booked:    1<<running | 1<<refunding,                      // its slot came; cancelled or closed
+	running:   1 << done,                                      // returned (or panicked)
+	refunding: 1 << done,                                      // given back
 	done:      0,
 }
 
