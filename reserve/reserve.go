@@ -363,7 +363,10 @@ type BatchRequest struct {
 // Reservation is not OK and its Err is the context's error (no call is
 // made if every request's has). A request the reply's latency made late
 // is refused and its booking given back, unless it asks to hold it
-// (HoldLate). It is what a worker pool uses to book slots for its backlog.
+// (HoldLate): at once if no later booking of the batch stands on it, else
+// by the Cancel of the nearest later one (cancelled latest first, all of
+// the batch's room comes back). It is what a worker pool uses to book
+// slots for its backlog.
 func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequest) ([]*Reservation, error) {
 	k, err := l.engineKey(key)
 	if err != nil {
@@ -496,19 +499,39 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 				r.held = true
 				break
 			}
-			late = append(late, bs[i])
-			r.booking.OK = false
+			r.booking.OK = false // given back here, see below
 		default:
 			r.act = act
 		}
 		s.c.res = r
 	}
+	if err != nil || useFallback {
+		return nil
+	}
+	// A late booking gives its room back only while nothing booked after
+	// it stands. Those above every booking that stands (booked, or held
+	// for its caller) go back at once, the latest first (late, for
+	// giveBackLate); one under a booking that stands goes back with the
+	// nearest such booking above it, once that one's Cancel has given it
+	// back (below): if that one is used instead, there is nothing to give.
+	var carrier *Reservation
+	for i := len(out) - 1; i >= 0; i-- {
+		r := out[i].c.res
+		switch {
+		case r.OK() || r.held:
+			carrier = r
+		case bs[i].OK && carrier != nil: // late, not held
+			carrier.below = append(carrier.below, bs[i])
+		case bs[i].OK:
+			late = append(late, bs[i])
+		}
+	}
 	return late
 }
 
-// giveBackLate gives back the bookings book refused once the reply was in,
-// latest first: a booking gives its room back only while nothing booked
-// after it stands on it. With after (see lateAfter) it runs on a goroutine
+// giveBackLate gives back late, the bookings book refused once the reply
+// was in and that nothing booked stands on, in order (the latest first).
+// With after (see lateAfter) it runs on a goroutine
 // of its own, so that the batch's other calls have their answers first,
 // and closes after once done; without, before it returns. Either way it is
 // bounded by a one-second timeout.
@@ -519,8 +542,8 @@ func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.
 	run := func() {
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 		defer cancel()
-		for i := len(late) - 1; i >= 0; i-- {
-			_, _ = l.eng.RefundAll(cctx, l.keysOf(key), l.limits, late[i])
+		for _, b := range late {
+			_, _ = l.eng.RefundAll(cctx, l.keysOf(key), l.limits, b)
 		}
 	}
 	if after == nil {
@@ -628,6 +651,7 @@ type Reservation struct {
 	held     bool                // a refusal holding its booking (BatchRequest.HoldLate)
 	view     bool                // made by View: Cancel gives nothing back
 	after    <-chan struct{}     // Cancel waits for it: the batch's own late refunds (see lateAfter)
+	below    []throttle.Booking  // late bookings under this one, latest first: Cancel gives them back after it (see book)
 
 	mu       sync.Mutex // guards canceled
 	canceled bool
@@ -768,6 +792,12 @@ func (r *Reservation) Cancel(ctx context.Context) error {
 		return err
 	}
 	r.canceled = true
+	// The late bookings of its batch right under it, refused and given
+	// back by no one else, can give their room back now (best effort: a
+	// lost reply loses that room until its slot passes).
+	for _, b := range r.below {
+		_, _ = r.lim.eng.RefundAll(ctx, r.lim.keysOf(r.key), r.lim.limits, b)
+	}
 	return nil
 }
 
