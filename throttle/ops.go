@@ -49,7 +49,9 @@ func (e *Engine) AllowN(ctx context.Context, key string, limit Limit, n int) (Re
 // of limits[i]): n units pass only if every limit allows them now, and then
 // count in all of them. The keys must share a hash tag.
 func (e *Engine) AllowAll(ctx context.Context, keys []string, limits []Limit, n int) (Result, error) {
-	bs, err := e.book(ctx, keys, limits, []Request{{N: n, MaxWait: 0}})
+	// Check mode goes alone: an answer now, one call per request, cut
+	// short by the caller's context as always (see WithMerging).
+	bs, err := e.book(ctx, keys, limits, []Request{{N: n, MaxWait: 0}}, false)
 	if err != nil {
 		return Result{}, err
 	}
@@ -129,7 +131,7 @@ func (e *Engine) BookBatch(ctx context.Context, key string, limit Limit, reqs []
 // booked, every limit counts it. The keys must share a hash tag ("{...}",
 // see HashTag) so that a Redis Cluster holds them on one node.
 func (e *Engine) BookAll(ctx context.Context, keys []string, limits []Limit, reqs []Request) ([]Booking, error) {
-	bs, err := e.book(ctx, keys, limits, reqs)
+	bs, err := e.book(ctx, keys, limits, reqs, true)
 	for _, b := range bs {
 		if b.OK {
 			e.observer.ObserveDecision(label(keys[0]), Booked, b.Wait)
@@ -140,7 +142,9 @@ func (e *Engine) BookAll(ctx context.Context, keys []string, limits []Limit, req
 	return bs, err
 }
 
-func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs []Request) ([]Booking, error) {
+// book books reqs for keys under limits; merge lets a single request
+// share its call (see merger).
+func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs []Request, merge bool) ([]Booking, error) {
 	if err := checkKeysLimits(keys, limits); err != nil {
 		return nil, err
 	}
@@ -148,7 +152,7 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 		return nil, fmt.Errorf("%w: batch of %d requests (want 1 to %d)", ErrInvalidRequest, len(reqs), MaxBatch)
 	}
 	m := len(keys)
-	if m == 1 && len(reqs) == 1 && e.merge != nil {
+	if merge && m == 1 && len(reqs) == 1 && e.merge != nil {
 		if err := checkRequest(reqs[0], limits[0]); err != nil {
 			return nil, err
 		}
