@@ -122,6 +122,7 @@ func (p *Pool) takeRefundsLocked(now time.Time) []*Job {
 		return true
 	})
 	give, owe := refundable(p.slots, p.owed, p.closed, func(key string) bool { return p.flying[key] > 0 || p.giving[key] > 0 })
+	defer p.gave.Broadcast() // lease goroutines waiting on owed bookings look again
 	p.owed = slices.DeleteFunc(p.owed, func(j *Job) bool { return slices.Contains(give, j) })
 	for _, j := range give {
 		if j.state == booked {

@@ -3,6 +3,7 @@ package pool
 import (
 	"context"
 	"errors"
+	"slices"
 	"time"
 
 	"github.com/slotbook/slotbook/lease"
@@ -63,9 +64,11 @@ func (p *Pool) leaseAndBook(key string, batch []*Job) {
 			}
 			p.mu.Lock()
 			j.lease = l
-			// Bookings of the key being given back must reach Redis
-			// before this one, or they would give nothing back.
-			for p.giving[key] > 0 {
+			// Bookings of the key being given back, or owed with
+			// nothing wanted on them (the dispatcher gives them back at
+			// its next look), must reach Redis before this one, or they
+			// would give nothing back.
+			for !p.closed && (p.giving[key] > 0 || p.givableOwedLocked(key)) {
 				p.gave.Wait()
 			}
 			if p.closed { // the dispatcher may have returned: end it here
@@ -148,4 +151,15 @@ func (p *Pool) takeLease(ctx context.Context, key string) (release func(), err e
 		defer cancel()
 		_ = l.Release(ctx)
 	}, nil
+}
+
+// givableOwedLocked reports whether key has owed bookings that no booking
+// still wanted stands on: the dispatcher's next look gives them back.
+// (Owed bookings lie under the key's latest wanted one, if any.) p.mu is
+// held.
+func (p *Pool) givableOwedLocked(key string) bool {
+	if !slices.ContainsFunc(p.owed, func(j *Job) bool { return j.key == key }) {
+		return false
+	}
+	return !slices.ContainsFunc(p.slots, func(j *Job) bool { return j.key == key && j.ctx.Err() == nil })
 }
