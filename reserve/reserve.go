@@ -521,7 +521,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 		case r.OK() || r.held:
 			carrier = r
 		case bs[i].OK && carrier != nil: // late, not held
-			carrier.below = append(carrier.below, bs[i])
+			carrier.links().below = append(carrier.links().below, bs[i])
 		case bs[i].OK:
 			late = append(late, bs[i])
 		}
@@ -571,7 +571,7 @@ func lateAfter(late []throttle.Booking, calls []*call) chan struct{} {
 	after := make(chan struct{})
 	for _, c := range calls {
 		if c.res != nil {
-			c.res.after = after
+			c.res.links().after = after
 		}
 	}
 	return after
@@ -650,8 +650,7 @@ type Reservation struct {
 	local    []*rate.Reservation // LocalShare's bookings, one per limit
 	held     bool                // a refusal holding its booking (BatchRequest.HoldLate)
 	view     bool                // made by View: Cancel gives nothing back
-	after    <-chan struct{}     // Cancel waits for it: the batch's own late refunds (see lateAfter)
-	below    []throttle.Booking  // late bookings under this one, latest first: Cancel gives them back after it (see book)
+	late     *lateLinks          // nil unless its batch had late bookings
 
 	mu       sync.Mutex // guards canceled
 	canceled bool
@@ -707,6 +706,23 @@ func (r *Reservation) View() *Reservation {
 		lim: r.lim, key: r.key, booking: r.booking, act: r.act, err: r.err,
 		fallback: r.fallback, held: r.held, view: true,
 	}
+}
+
+// lateLinks ties a Reservation to the late bookings of its batch (see
+// book and lateAfter); a reservation of a batch with none has no links,
+// and costs no more.
+type lateLinks struct {
+	after <-chan struct{}    // Cancel waits for it: the batch's own late refunds
+	below []throttle.Booking // late bookings under this one, latest first: Cancel gives them back after it
+}
+
+// links returns r's lateLinks, made on first use. Only book and lateAfter
+// call it, before r is handed out.
+func (r *Reservation) links() *lateLinks {
+	if r.late == nil {
+		r.late = new(lateLinks)
+	}
+	return r.late
 }
 
 // Delay is shorthand for DelayFrom(time.Now()).
@@ -765,9 +781,9 @@ func (r *Reservation) Cancel(ctx context.Context) error {
 	if r.view || (!r.OK() && !r.held) {
 		return nil
 	}
-	if r.after != nil {
+	if r.late != nil && r.late.after != nil {
 		select {
-		case <-r.after:
+		case <-r.late.after:
 		case <-ctx.Done():
 			return ctx.Err()
 		}
@@ -795,8 +811,10 @@ func (r *Reservation) Cancel(ctx context.Context) error {
 	// The late bookings of its batch right under it, refused and given
 	// back by no one else, can give their room back now (best effort: a
 	// lost reply loses that room until its slot passes).
-	for _, b := range r.below {
-		_, _ = r.lim.eng.RefundAll(ctx, r.lim.keysOf(r.key), r.lim.limits, b)
+	if r.late != nil {
+		for _, b := range r.late.below {
+			_, _ = r.lim.eng.RefundAll(ctx, r.lim.keysOf(r.key), r.lim.limits, b)
+		}
 	}
 	return nil
 }
