@@ -190,8 +190,10 @@ func refundable(slots, owed []*Job, closed bool, busy func(key string) bool) (gi
 			owe = append(owe, j)
 		}
 	}
-	// Across keys too, the latest first.
-	slices.SortStableFunc(give, func(a, b *Job) int { return cmp.Compare(b.seq, a.seq) })
+	// Across keys too, the latest first, in the same order as each key's
+	// (by seq alone, a key whose calls came back out of order, as lease
+	// goroutines' can, would give an earlier booking back first).
+	slices.SortStableFunc(give, func(a, b *Job) int { return cmp.Or(b.at.Compare(a.at), cmp.Compare(b.seq, a.seq)) })
 	return give, owe
 }
 

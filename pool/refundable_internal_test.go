@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
@@ -160,3 +161,19 @@ func TestRefundableChildContexts(t *testing.T) {
 
 // notBusy is refundable's busy for a pool with no call in flight.
 func notBusy(string) bool { return false }
+
+// TestRefundableOrdersByRedisSlot: two bookings of one key whose calls came
+// back out of order (lease goroutines book one job each, side by side): the
+// one booked later in Redis (the later slot) got the earlier seq. give
+// must take the later slot first, across keys as within one: by seq alone,
+// the earlier booking went back first and gave nothing (seen once as
+// TestReviewLateOwedLeaseClose/late=false beside two suites).
+func TestRefundableOrdersByRedisSlot(t *testing.T) {
+	base := time.Unix(1_800_000_000, 0)
+	early := &Job{ctx: context.Background(), key: "k", state: booked, seq: 2, at: base}
+	later := &Job{ctx: context.Background(), key: "k", state: booked, seq: 1, at: base.Add(10 * time.Second)}
+	other := &Job{ctx: context.Background(), key: "j", state: booked, seq: 3, at: base.Add(5 * time.Second)}
+	give, owe := refundable([]*Job{early, later, other}, nil, true, notBusy)
+	require.Empty(t, owe)
+	require.Equal(t, []*Job{later, other, early}, give)
+}
