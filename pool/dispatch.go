@@ -240,7 +240,7 @@ func (p *Pool) takeBatchLocked(now time.Time) (key string, batch []*Job, retryAt
 	if len(p.slots) > p.lowBooked && p.free < p.batchMin {
 		return "", nil, time.Time{} // enough booked; wait to book many at once
 	}
-	if p.sem == nil && len(p.flying) >= maxFlights {
+	if p.sem == nil && len(p.flying) >= p.maxFlights {
 		return "", nil, time.Time{} // a batch coming back wakes the dispatcher
 	}
 	for n := p.turns.Len(); n > 0 && p.turns.Len() > 0; n-- {

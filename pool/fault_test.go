@@ -97,9 +97,13 @@ func waitClosed(t *testing.T, ch <-chan struct{}, what string) {
 // stall holds p's dispatcher in the batch call of a job of its own, so
 // that the jobs submitted meanwhile queue up and go out together in the
 // next batch once resume is called. That job runs on a key of its own and
-// holds a worker until it returns.
+// holds a worker until it returns. The pool books one batch at a time
+// from then on (SetSerial): else it would book other keys beside the
+// stalled call (TestCloseWhileBatchInFlight hung so once, its gate
+// holding a later batch than the one it meant).
 func stall(t *testing.T, p *pool.Pool, g *gate) (resume func()) {
 	t.Helper()
+	pool.SetSerial(p)
 	entered, release := g.arm(t, nil)
 	_, err := p.Submit(context.Background(), "stall", noop)
 	require.NoError(t, err)

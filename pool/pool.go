@@ -37,20 +37,21 @@ type Pool struct {
 	// mu guards the fields below and the state of every Job (see Job).
 	// Jobs change state only through moveLocked, which keeps these fields
 	// consistent with the states.
-	mu       sync.Mutex
-	queues   map[string]*keyQueue // the backlog, by key; only keys with backlog
-	turns    list.List            // of *keyQueue: the same keys, in turn
-	slots    jobHeap              // booked jobs, earliest slot first
-	owed     []*Job               // jobs whose booking is still to give back: done, or refused late and refunding (see takeRefundsLocked)
-	flying   map[string]int       // keys with booking calls in flight: how many (see book)
-	giving   map[string]int       // keys with bookings being given back: how many (see giveBack)
-	gave     sync.Cond            // on mu: signalled when giveBack is done (a key's giving may be 0)
-	free     int                  // workers held by no job and no Acquire caller
-	waiters  list.List            // of chan struct{}: Acquire callers waiting for a worker, first first
-	pending  int                  // jobs submitted and not done
-	idle     chan struct{}        // closed while pending is 0
-	bookings uint64               // bookings made so far, to give back the latest first
-	closed   bool
+	mu         sync.Mutex
+	queues     map[string]*keyQueue // the backlog, by key; only keys with backlog
+	turns      list.List            // of *keyQueue: the same keys, in turn
+	slots      jobHeap              // booked jobs, earliest slot first
+	owed       []*Job               // jobs whose booking is still to give back: done, or refused late and refunding (see takeRefundsLocked)
+	flying     map[string]int       // keys with booking calls in flight: how many (see book)
+	giving     map[string]int       // keys with bookings being given back: how many (see giveBack)
+	maxFlights int                  // most batches in flight at once: the const maxFlights (tests may lower it)
+	gave       sync.Cond            // on mu: signalled when giveBack is done (a key's giving may be 0)
+	free       int                  // workers held by no job and no Acquire caller
+	waiters    list.List            // of chan struct{}: Acquire callers waiting for a worker, first first
+	pending    int                  // jobs submitted and not done
+	idle       chan struct{}        // closed while pending is 0
+	bookings   uint64               // bookings made so far, to give back the latest first
+	closed     bool
 }
 
 // An Option configures a Pool in New.
@@ -75,14 +76,15 @@ func New(lim *reserve.Limiter, opts ...Option) (*Pool, error) {
 		return nil, errors.New("pool: nil limiter")
 	}
 	p := &Pool{
-		lim:     lim,
-		workers: DefaultWorkers,
-		wake:    make(chan struct{}, 1),
-		quit:    make(chan struct{}),
-		queues:  make(map[string]*keyQueue),
-		flying:  make(map[string]int),
-		giving:  make(map[string]int),
-		idle:    make(chan struct{}),
+		lim:        lim,
+		workers:    DefaultWorkers,
+		wake:       make(chan struct{}, 1),
+		quit:       make(chan struct{}),
+		queues:     make(map[string]*keyQueue),
+		flying:     make(map[string]int),
+		giving:     make(map[string]int),
+		maxFlights: maxFlights,
+		idle:       make(chan struct{}),
 	}
 	for _, opt := range opts {
 		if err := opt(p); err != nil {
