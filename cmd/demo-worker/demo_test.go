@@ -5,7 +5,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -110,10 +109,7 @@ func TestDistributedJSON(t *testing.T) {
 // (connection refused), not that a later call timed out.
 func TestRedisDown(t *testing.T) {
 	t.Parallel()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	addr := l.Addr().String()
-	require.NoError(t, l.Close())
+	addr := refusedAddr(t)
 	for _, args := range [][]string{{}, {"-processes", "2"}} {
 		var out, errb bytes.Buffer
 		code := run(context.Background(), append([]string{"-redis", "redis://" + addr, "-duration", "1s"}, args...), &out, &errb)
