@@ -26,7 +26,7 @@ func lateBatch(t *testing.T, l *reserve.Limiter, key string, hold bool) (head, l
 	// Redis books it within its budget (its wait counts from Redis's
 	// clock, 40 ms before the reply came), but acting 40 ms after that
 	// would end 20 ms past the deadline.
-	dl, cancel := context.WithDeadline(ctx, head.SlotAt().Add(interval-20*time.Millisecond))
+	dl, cancel := context.WithDeadline(ctx, head.Booking().At.Add(interval+20*time.Millisecond))
 	t.Cleanup(cancel)
 	rs, err := l.ReserveBatch(ctx, key, []reserve.BatchRequest{
 		{Context: dl, N: 1, HoldLate: hold},

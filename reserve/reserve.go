@@ -753,6 +753,11 @@ func (r *Reservation) Wait(ctx context.Context) error {
 // giveBack cancels r for a caller whose ctx has ended: on a context that
 // keeps ctx's values but not its end, so the refund still goes out.
 func (r *Reservation) giveBack(ctx context.Context) {
+	if r.late != nil && r.late.after != nil {
+		// The batch's own give-backs first (bounded by their second), so
+		// that this one's second is its own.
+		<-r.late.after
+	}
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
 	_ = r.Cancel(cctx)
@@ -784,8 +789,12 @@ func (r *Reservation) Cancel(ctx context.Context) error {
 	if r.late != nil && r.late.after != nil {
 		select {
 		case <-r.late.after:
-		case <-ctx.Done():
-			return ctx.Err()
+		default:
+			select {
+			case <-r.late.after:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
 		}
 	}
 	r.mu.Lock()

@@ -49,7 +49,7 @@ func belowBatch(t *testing.T, l *reserve.Limiter, key, pattern string) (*reserve
 	for i, c := range pattern {
 		reqs[i] = reserve.BatchRequest{N: 1}
 		if c == 'L' || c == 'H' {
-			dl, cancel := context.WithDeadline(ctx, head.SlotAt().Add(time.Duration(i+1)*interval-belowMargin))
+			dl, cancel := context.WithDeadline(ctx, head.Booking().At.Add(time.Duration(i+1)*interval+belowMargin))
 			t.Cleanup(cancel)
 			reqs[i].Context, reqs[i].HoldLate = dl, c == 'H'
 		}
@@ -268,7 +268,7 @@ func TestReviewBelowCoalesced(t *testing.T) {
 					// the budget, made late by the reply's delay (or,
 					// queued out of order, refused by the budget or in
 					// time).
-					dl, cancel := context.WithDeadline(ctx, head.SlotAt().Add(time.Duration(2+i)*2*time.Second-belowMargin))
+					dl, cancel := context.WithDeadline(ctx, head.Booking().At.Add(time.Duration(2+i)*2*time.Second+belowMargin))
 					defer cancel()
 					c = dl
 				}

@@ -362,8 +362,8 @@ func TestReviewHoldLateMixedBatchCancel(t *testing.T) {
 		key := fmt.Sprintf("k%d", i)
 		head, err := l.Reserve(ctx, key)
 		require.NoError(t, err)
-		dl1, stop1 := context.WithDeadline(ctx, head.SlotAt().Add(interval-20*time.Millisecond))
-		dl2, stop2 := context.WithDeadline(ctx, head.SlotAt().Add(2*interval-20*time.Millisecond))
+		dl1, stop1 := context.WithDeadline(ctx, head.Booking().At.Add(interval+20*time.Millisecond))
+		dl2, stop2 := context.WithDeadline(ctx, head.Booking().At.Add(2*interval+20*time.Millisecond))
 		rs, err := l.ReserveBatch(ctx, key, []reserve.BatchRequest{
 			{Context: dl1, N: 1, HoldLate: true},
 			{Context: dl2, N: 1},
