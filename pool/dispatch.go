@@ -37,8 +37,9 @@ func (p *Pool) dispatch() {
 			key    string
 			batch  []*Job
 			wakeAt time.Time
-			// Closed, every booking taken (see takeRefundsLocked), and
-			// no booking call in flight (one that lands is given back).
+			// Closed, every booking taken (see takeRefundsLocked), no
+			// booking call in flight (one that lands is given back) and
+			// no give-back under way.
 			stopped = p.closed && len(refunds) == 0 && len(p.flying) == 0 && len(p.giving) == 0
 			// Once closed, quit is always ready: wait for what wakes the
 			// dispatcher (a batch's answers) instead.

@@ -468,6 +468,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 		l.heartbeat(ctx)
 	}
 	useFallback := l.useFallback(ctx, key, err)
+	anyLate := false // a booking refused late and not held
 	for i, s := range out {
 		if useFallback {
 			if cerr := s.c.ctx.Err(); cerr != nil {
@@ -499,13 +500,14 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 				r.held = true
 				break
 			}
-			r.booking.OK = false // given back here, see below
+			r.booking.OK = false // given back, see below
+			anyLate = true
 		default:
 			r.act = act
 		}
 		s.c.res = r
 	}
-	if err != nil || useFallback {
+	if !anyLate {
 		return nil
 	}
 	// A late booking gives its room back only while nothing booked after

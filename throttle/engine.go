@@ -261,9 +261,9 @@ func WithTimeout(d time.Duration) Option {
 // WithMerging turns merging on or off (on by default). With it, single
 // bookings (BookAll of one request under one limit, as package reserve
 // sends for a caller alone; not the check mode of Allow, whose callers
-// want an answer now, cut short by their context) that find every connection to Redis busy wait
-// together and go out in one call when a connection frees, instead of one
-// call each: at many keys and many callers this costs much less CPU per
+// want an answer now, cut short by their context) that find every
+// connection to Redis busy wait together and go out in one call when a
+// connection frees, instead of one call each: at many keys and many callers this costs much less CPU per
 // booking, in Redis and in the client. Each booking is judged as it would
 // be alone. It is used only where it can be: a client that is not a
 // Cluster's (whose keys may lie on different nodes), whose pool size is

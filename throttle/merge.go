@@ -165,12 +165,13 @@ func (m *merger) lead(ctx context.Context, batch *mergeBatch, it *mergeItem) mer
 	items := batch.items
 	m.mu.Unlock()
 
-	answers := make([]mergeAnswer, len(items))
+	var answers []mergeAnswer
 	if err == nil {
 		answers = m.send(ctx, t, items)
 		t.release()
 	} else { // the breaker is open: every request would have failed fast
-		for i := range items {
+		answers = make([]mergeAnswer, len(items))
+		for i := range answers {
 			answers[i].err = err
 		}
 	}
