@@ -28,7 +28,7 @@ var (
 
 	//go:embed scripts/book1.lua
 	book1Src    string
-	book1Script = newScript(clockSrc + book1Src)
+	book1Script = newScript(book1Src) // stands alone: see the script
 
 	//go:embed scripts/bookmany.lua
 	bookManySrc    string

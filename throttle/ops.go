@@ -204,13 +204,18 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 		args[len(args)-3] = count
 	}
 
-	// Both scripts answer {now, tat_1 .. tat_m, then per request: its wait
+	// book.lua answers {now, tat_1 .. tat_m, then per request: its wait
 	// if booked, -1 - wait if refused}: the TATs the first request was
-	// judged against.
+	// judged against. book1.lua answers a string that book1Vals reads into
+	// the same values.
 	want := 1 + m + len(reqs)
 	reply, err := e.runCmd(ctx, script, keys, args)
 	var vals []int64
-	if err == nil {
+	switch {
+	case err != nil:
+	case script == book1Script:
+		vals, err = book1Vals(reply, limits[0], reqs[0])
+	default:
 		// Room after the reply's values for every booking's ends: one
 		// allocation for both.
 		vals, err = int64sCap(reply, want, m*len(reqs))
@@ -624,4 +629,52 @@ func (e *Engine) Reset(ctx context.Context, keys ...string) error {
 		return fmt.Errorf("throttle: reset %q: %w", keys[0], err)
 	}
 	return nil
+}
+
+// book1Vals reads book1.lua's reply ("s u", "s u tat", "s u -" or
+// "s u -tat"; see the script) into book.lua's values for one request
+// under one limit, {now, tat, wait or -1 - wait}, with room for the
+// booking's end: the wait worked out as the script works it out.
+func book1Vals(reply any, l Limit, r Request) ([]int64, error) {
+	str, ok := reply.(string)
+	if !ok {
+		return nil, fmt.Errorf("unexpected reply %T, want a string", reply)
+	}
+	bad := func() ([]int64, error) {
+		return nil, fmt.Errorf("unexpected reply %q, want \"s u [-][tat]\"", str)
+	}
+	sec, rest, ok := strings.Cut(str, " ")
+	if !ok {
+		return bad()
+	}
+	usec, rest, more := strings.Cut(rest, " ")
+	s, err1 := strconv.ParseInt(sec, 10, 64)
+	u, err2 := strconv.ParseInt(usec, 10, 64)
+	if err1 != nil || err2 != nil || s < 0 || u < 0 {
+		return bad()
+	}
+	now := s*1_000_000 + u
+	tat, refused := now, false
+	if more {
+		if rest, refused = strings.CutPrefix(rest, "-"); rest != "" {
+			t, err := strconv.ParseInt(rest, 10, 64)
+			if err != nil || t <= now {
+				return bad()
+			}
+			tat = t
+		} else if !refused {
+			return bad()
+		}
+	}
+	I := l.intervalMicros()
+	w := max(0, tat+int64(r.N-1)*I-I*int64(l.Burst)-now)
+	// The script books exactly the waits within the request's max wait: a
+	// reply that disagrees was not made by this engine's book1.lua.
+	if (w > int64(min(r.MaxWait, MaxHorizon)/time.Microsecond)) != refused {
+		return bad()
+	}
+	if refused {
+		w = -1 - w
+	}
+	return []int64{now, tat, w, 0}, nil
 }

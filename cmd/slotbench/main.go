@@ -231,7 +231,7 @@ func bench(ctx context.Context, o options, stderr io.Writer) (*Report, error) {
 		probe{name: "reference: a script doing only TIME, GET, SET PX", command: "evalsha", call: func(ctx context.Context) error {
 			return floorScript.Run(ctx, rdb, []string{run + "-lat-floor"}).Err()
 		}},
-		probe{name: "reference: the same with slotbook's 5 arguments and 3-integer reply", command: "evalsha", call: func(ctx context.Context) error {
+		probe{name: "reference: the same with slotbook's 5 arguments and book1.lua's reply", command: "evalsha", call: func(ctx context.Context) error {
 			// book1.lua's arguments for a reservation: the clock, I, tau, n, max wait.
 			return protocolFloorScript.Run(ctx, rdb, []string{run + "-lat-floor"}, "", 1, 1_000_000, 1, 1_000_000).Err()
 		}})

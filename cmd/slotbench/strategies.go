@@ -59,13 +59,14 @@ redis.call('SET', KEYS[1], t[1], 'PX', 1000)
 return 1
 `)
 	// protocolFloorScript is floorScript taking book1.lua's five arguments
-	// and answering its reply's three integers: what slotbook's protocol
-	// adds to the three commands before any arithmetic.
+	// and answering as book1.lua answers an idle key (TIME's two words,
+	// joined): what slotbook's protocol adds to the three commands before
+	// any arithmetic.
 	protocolFloorScript = redis.NewScript(`
 local t = redis.call('TIME')
 local v = redis.call('GET', KEYS[1])
 redis.call('SET', KEYS[1], t[1], 'PX', 1000)
-return {1, 1, 0}
+return t[1] .. ' ' .. t[2]
 `)
 )
 

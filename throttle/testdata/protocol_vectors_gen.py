@@ -20,12 +20,22 @@ L3b0 = {"rate": 3, "period_ms": 1000, "burst": 0}     # I = ceil(1e6/3) = 333334
 s = lambda v: str(v)
 V = []
 
-def book1(name, note, before, limit, I, tau, n, w, reply, after, now=N, error=None):
+# book1's hand-worked outcome is given as [now, booked (1/0), wait, tat
+# judged against]; book1() lays it out as the script's reply string (see
+# docs/PROTOCOL.md: "s u", then " tat" unless tat = now, "-" before it if
+# refused; under an explicit now s is "0" and u is now) and as 'expect',
+# what the engine makes of it.
+def book1(name, note, before, limit, I, tau, n, w, outcome, after, now=N, error=None):
     v = {"name": name, "script": "book1", "note": note, "now": now,
          "input": {"prefix": P, "keys": ["api:{s}"], "limits": [limit], "requests": [{"n": n, "max_wait_us": w}]},
          "keys": [K1], "argv": [s(now), s(I), s(tau), s(n), s(w)], "before": before}
     if error: v["error"] = error
-    else: v["reply"] = reply
+    else:
+        at, ok, wait, tat = outcome
+        assert at == now
+        word = ("" if ok else "-") + ("" if tat == now else s(tat))
+        v["reply"] = "0 %d" % now + (" " + word if word else "")
+        v["expect"] = {"booked": bool(ok), "wait_us": wait, "tat": tat}
     v["after"] = after
     V.append(v)
 
@@ -77,12 +87,26 @@ book1("a TAT exactly horizon + 2*tau + I ahead is accepted (and refused)",
       {K1: {"value": s(T(H + 1100000)), "px": 3600000}}, L10b5, 100000, 500000, 1, 0,
       [N, 0, H + 600000, T(H + 1100000)], {K1: {"value": s(T(H + 1100000))}})
 
-def book(name, note, before, keys, limits, params, reqs, reply, after, now=N):
-    argv = [s(now), s(len(keys))] + [s(x) for p in params for x in p] + [s(x) for r in reqs for x in r]
+# book's hand-worked outcome is given per request as (booked 1/0, wait,
+# the m TATs it is judged against) after now: [now, ok_1, w_1, tats_1...,
+# ok_2, ...]. book() lays it out as the reply (now, the first request's
+# TATs, then each wait, -1 - wait if refused) and 'judged', and the
+# requests as the runs of like ones the script takes (count, n, max wait).
+def book(name, note, before, keys, limits, params, reqs, outcome, after, now=N):
+    m = len(keys)
+    runs = []
+    for r in reqs:
+        if runs and runs[-1][1:] == list(r): runs[-1][0] += 1
+        else: runs.append([1, r[0], r[1]])
+    argv = [s(now), s(m)] + [s(x) for p in params for x in p] + [s(x) for r in runs for x in r]
+    assert outcome[0] == now
+    per = [outcome[1 + i * (2 + m): 1 + (i + 1) * (2 + m)] for i in range(len(reqs))]
+    reply = [now] + per[0][2:] + [w if ok else -1 - w for ok, w, *_ in per]
     V.append({"name": name, "script": "book", "note": note, "now": now,
               "input": {"prefix": P, "keys": [k[len(P):] for k in keys], "limits": limits,
                         "requests": [{"n": n, "max_wait_us": w} for n, w in reqs]},
-              "keys": keys, "argv": argv, "before": before, "reply": reply, "after": after})
+              "keys": keys, "argv": argv, "before": before, "reply": reply, "after": after,
+              "judged": [x[2:] for x in per]})
 
 book("batch on one key: each request judged in order",
      "stored now+4I. r1: wait 0, tat now+5I. r2: wait 0, tat now+6I. r3: wait 100000 > 0 refused. "
@@ -233,12 +257,15 @@ doc = {
     "about": ("Test vectors of the slotbook wire protocol. Each vector is one script call at an explicit now "
               "(ARGV[1], microseconds): set the keys in 'before' (a string 'value' or a sorted set 'zset' of "
               "member: score, with 'px' as its time to live in ms), run the script (clock.lua followed by the "
-              "script's file; reset.lua alone) with 'keys' and 'argv', and compare the reply (or the error, "
+              "script's file; book1.lua and reset.lua alone) with 'keys' and 'argv', and compare the reply (or the error, "
               "whose text starts with 'error') and the keys in 'after'. In 'after', null means the key does not "
               "exist; a key with 'px' was written with that time to live, a key without it was not written by "
               "the call. 'px' is what the scripts set on the Redis clock (ARGV[1] = \"\"); under an explicit now "
               "they add explicit_now_hold_ms, so that Redis's own clock never expires a key the explicit "
-              "clock has not passed. 'input' is the same call in the library's terms (limits as rate per "
+              "clock has not passed. For book, 'judged' lists the TATs each request is judged against (the "
+              "reply carries the first request's; a client works out the rest). book1 answers one string "
+              "(docs/PROTOCOL.md); its 'expect' is what a client makes of it: booked or refused, the wait, and "
+              "the TAT the request was judged against. 'input' is the same call in the library's terms (limits as rate per "
               "period_ms with burst; times in microseconds). Expected values were worked out by hand from the "
               "definition, each vector's 'note' says how."),
     "explicit_now_hold_ms": 3600000,
