@@ -37,9 +37,13 @@ func TestCoalescingLeavesWaitWhenContextEnds(t *testing.T) {
 }
 
 func leavesWait(t *testing.T, name, key string) {
-	eng, p, prefix := proxiedEngine(t, 1)
-	srv := redistest.Shared(t)
-	l, err := reserve.New(eng, "api", throttle.PerSecond(1000, 100))
+	// A server of its own: another test's SCRIPT FLUSH on the shared one
+	// made a's call a NOSCRIPT round trip, held 2 s, and then an EVAL, so
+	// that its booking had not reached Redis when the test looked.
+	srv := redistest.Start(t)
+	eng, p, prefix := proxiedEngineOn(t, srv, 1)
+	// 10 a second: a's booking keeps its key for 101 ms, which the test looks for.
+	l, err := reserve.New(eng, "api", throttle.PerSecond(10, 100))
 	require.NoError(t, err)
 	control, err := l.With(reserve.WithCoalescing(false))
 	require.NoError(t, err)
@@ -90,7 +94,12 @@ func leavesWait(t *testing.T, name, key string) {
 // proxy and the prefix.
 func proxiedEngine(t *testing.T, poolSize int, opts ...throttle.Option) (*throttle.Engine, *redistest.Proxy, string) {
 	t.Helper()
-	srv := redistest.Shared(t)
+	return proxiedEngineOn(t, redistest.Shared(t), poolSize, opts...)
+}
+
+// proxiedEngineOn is proxiedEngine on the server srv.
+func proxiedEngineOn(t *testing.T, srv *redistest.Server, poolSize int, opts ...throttle.Option) (*throttle.Engine, *redistest.Proxy, string) {
+	t.Helper()
 	p := redistest.NewProxy(t, srv.Addr)
 	rdb := p.Client(t, srv, func(o *redis.Options) {
 		if poolSize > 0 {
