@@ -143,13 +143,16 @@ func BenchmarkReserveScaling(b *testing.B) {
 type instantRedis struct{}
 
 func (instantRedis) reply(ctx context.Context, args []any) *redis.Cmd {
-	m, reqs := 1, 1
-	if len(args) != 5 { // book.lua: now, m, m limits, then runs (count, n, max wait)
-		m = args[1].(int)
-		reqs = 0
-		for i := 2 + 2*m; i+2 < len(args); i += 3 {
-			reqs += toInt(args[i])
-		}
+	cmd := redis.NewCmd(ctx)
+	if len(args) == 5 { // book1.lua: "s u", the key idle, so the request booked at once
+		now := time.Now().UnixMicro()
+		cmd.SetVal(strconv.FormatInt(now/1_000_000, 10) + " " + strconv.FormatInt(now%1_000_000, 10))
+		return cmd
+	}
+	// book.lua: now, m, m limits, then runs (count, n, max wait)
+	m, reqs := args[1].(int), 0
+	for i := 2 + 2*m; i+2 < len(args); i += 3 {
+		reqs += toInt(args[i])
 	}
 	// {now, tat_1..tat_m, then a wait per request}: every key is free
 	// (tat = now) and every request booked at once (wait 0).
@@ -161,7 +164,6 @@ func (instantRedis) reply(ctx context.Context, args []any) *redis.Cmd {
 	for i := 0; i <= m; i++ {
 		vals[i] = now
 	}
-	cmd := redis.NewCmd(ctx)
 	cmd.SetVal(vals)
 	return cmd
 }
