@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -57,12 +58,21 @@ func TestSmallRun(t *testing.T) {
 	require.True(t, byName["contention: reservation calls per request"].Met)
 	require.True(t, byName["memory per key / integer-plus-expiry floor"].Met)
 	require.True(t, byName["coalescing: Redis calls per reservation"].Met)
+	// Uncoalesced callers with merging off make one call each; merged,
+	// the table prints the calls measured (it printed 1.000 whatever they
+	// were once merging had landed).
+	c := rep.Coalescing
+	require.Equal(t, 1.0, c.AloneCalls, "one call per reservation with merging off")
+	require.Positive(t, c.UncoalescedCalls)
+	require.LessOrEqual(t, c.UncoalescedCalls, 1.0)
 
 	md, err := os.ReadFile(out)
 	require.NoError(t, err)
 	for _, section := range []string{"## Targets", "## Memory per key", "## Cost per check", "## Contention", "## Coalescing"} {
 		require.True(t, strings.Contains(string(md), section), section)
 	}
+	require.Contains(t, string(md), fmt.Sprintf("| uncoalesced, merged | %.0f | %.3f |", c.UncoalescedPerSec, c.UncoalescedCalls))
+	require.Contains(t, string(md), fmt.Sprintf("| uncoalesced, one call each (merging off) | %.0f | 1.000 |", c.AlonePerSec))
 }
 
 func TestBadFlags(t *testing.T) {
