@@ -351,6 +351,12 @@ func TestReviewLateOwedMixedRounds(t *testing.T) {
 						ctx = c
 					}
 					j, err := p.Submit(ctx, k, func(context.Context) error { return nil })
+					if kind == 1 && errors.Is(err, context.Canceled) {
+						// Its cancel came first (a timer of a few ms, or none,
+						// on a busy machine): Submit refuses it, nothing enters
+						// the pool. (It failed the test once beside two suites.)
+						continue
+					}
 					require.NoError(t, err)
 					jobs[k] = append(jobs[k], j)
 				}
