@@ -22,9 +22,10 @@ import (
 // being down: callers queue for a connection instead of timing out, the
 // breaker does not open wholesale, and FailOpen, should it answer at all,
 // admits no more than the limit per process. Without a fallback the limit
-// holds too; how many of its calls fail is logged, not judged: a machine
-// busy enough to starve the goroutine reading a reply for 50ms times calls
-// out whatever the engine does.
+// holds too. How many calls fail is logged; in how many spans of the run
+// some failed is judged against a control (below): a machine busy enough to
+// starve the goroutine reading a reply for 50ms times calls out whatever
+// the engine does.
 func TestOverloadKeepsTheLimit(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Start(t) // a server of its own: the load would slow other tests' calls
@@ -111,17 +112,30 @@ func TestOverloadKeepsTheLimit(t *testing.T) {
 		// A call the client itself could not serve (no connection in
 		// time, the breaker closed) fails rather than go to the fallback,
 		// which would admit on top of Redis: now and then, never wholesale.
-		require.LessOrEqual(t, 2*failing, spans+1-slow, "calls failed in at most half the spans the control found fast")
 		require.LessOrEqual(t, allowed, 2*bound(elapsed), "Redis's share and at most one local limit's worth while the breaker is open")
 		require.GreaterOrEqual(t, allowed, int64(limit.Burst+1), "the limit still lets its burst through")
+		judgeFailing(t, failing, slow, spans+1)
 	})
 	t.Run("no fallback", func(t *testing.T) {
 		allowed, calls, failed, failing, slow, elapsed := run(t)
 		t.Logf("no fallback: %d allowed of %d calls (%d failed, in %d of the %d spans of 100ms the control found fast; %d slow) in %v",
 			allowed, calls, failed, failing, spans+1-slow, slow, elapsed)
 		require.LessOrEqual(t, allowed, bound(elapsed))
-		require.LessOrEqual(t, 2*failing, spans+1-slow, "calls failed in at most half the spans the control found fast")
+		judgeFailing(t, failing, slow, spans+1)
 	})
+}
+
+// judgeFailing judges TestOverloadKeepsTheLimit's spans (buckets of them:
+// the run's, and the one its last calls end in) with failed calls: at
+// most half the spans the control found fast. With fewer than half of
+// them fast, the machine was too slow to tell anything: inconclusive.
+func judgeFailing(t *testing.T, failing, slow, buckets int) {
+	t.Helper()
+	fast := buckets - slow
+	if 2*fast < buckets {
+		t.Skipf("the control found only %d of %d spans fast (the limit's bounds held): inconclusive", fast, buckets)
+	}
+	require.LessOrEqual(t, 2*failing, fast, "calls failed in at most half the spans the control found fast")
 }
 
 // outcomes counts an engine's decisions by outcome, and its breaker's
