@@ -141,7 +141,7 @@ func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, r
 		I := l.intervalMicros()
 		args = append(args, I, I*int64(l.Burst))
 	}
-	args = append(args, 1, req.N, int64(min(req.MaxWait, MaxHorizon)/time.Microsecond)) // book.lua's run of one request
+	args = append(args, 1, req.N, req.maxWaitMicros()) // book.lua's run of one request
 	args = append(args, idx.Member, int64(idx.KeepFrom/time.Microsecond), int64(idx.Window/time.Microsecond), idx.MaxDue,
 		int64(retrySpent/time.Microsecond), int64((idx.Since+time.Microsecond-1)/time.Microsecond)) // Since rounded up: a positive one stays positive
 	for i := len(idx.Forget) - 1; i >= 0; i-- { // popped from the end

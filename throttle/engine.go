@@ -765,6 +765,11 @@ func CheckRequest(r Request, limit Limit) error {
 	return checkRequest(r, limit)
 }
 
+// maxWaitMicros is r's max wait as the scripts take it, in microseconds,
+// at most the horizon, rounded down: a wait of a whole microsecond more
+// than MaxWait is more than the caller accepts.
+func (r Request) maxWaitMicros() int64 { return int64(min(r.MaxWait, MaxHorizon) / time.Microsecond) }
+
 func checkRequest(r Request, limit Limit) error {
 	switch {
 	case r.N <= 0:

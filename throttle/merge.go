@@ -198,9 +198,7 @@ func (m *merger) send(ctx context.Context, t turn, items []*mergeItem) []mergeAn
 	for i, x := range items {
 		full[i] = e.prefix + x.key
 		I := x.limit.intervalMicros()
-		// Rounded down, as book rounds it.
-		w := int64(min(x.req.MaxWait, MaxHorizon) / time.Microsecond)
-		a = append(a, I, I*int64(x.limit.Burst), x.req.N, w)
+		a = append(a, I, I*int64(x.limit.Burst), x.req.N, x.req.maxWaitMicros())
 	}
 	answers := make([]mergeAnswer, k)
 	lbl := label(items[0].key)

@@ -184,9 +184,7 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 				return nil, err
 			}
 		}
-		// Rounded down: a wait of a whole microsecond more than MaxWait is
-		// more than the caller accepts.
-		w := int64(min(r.MaxWait, MaxHorizon) / time.Microsecond)
+		w := r.maxWaitMicros()
 		switch {
 		case script == book1Script:
 			args = append(args, r.N, w)
@@ -670,7 +668,7 @@ func book1Vals(reply any, l Limit, r Request) ([]int64, error) {
 	w := max(0, tat+int64(r.N-1)*I-I*int64(l.Burst)-now)
 	// The script books exactly the waits within the request's max wait: a
 	// reply that disagrees was not made by this engine's book1.lua.
-	if (w > int64(min(r.MaxWait, MaxHorizon)/time.Microsecond)) != refused {
+	if (w > r.maxWaitMicros()) != refused {
 		return bad()
 	}
 	if refused {
