@@ -740,7 +740,11 @@ func (r *Reservation) DelayFrom(t time.Time) time.Duration {
 }
 
 // Wait sleeps until the slot. If ctx is done first, it cancels the
-// reservation and returns ctx's error. For a refusal it returns Err at once.
+// reservation and returns ctx's error: the give-back goes out on a context
+// of its own, bounded by a second, after any give-backs of its batch's late
+// bookings (bounded by theirs), so with Redis slow to answer Wait can
+// return up to about two seconds after ctx ends. For a refusal it returns
+// Err at once.
 func (r *Reservation) Wait(ctx context.Context) error {
 	if !r.OK() {
 		return r.err
