@@ -87,10 +87,15 @@ end
 // KeepFrom, keeps the index alive until its last entry is spent, and
 // answers {now, status (0 refused, 1 booked, 3 booked and recorded),
 // wait, tat_1 .. tat_m, the due entries}, from book.lua's reply for the
-// one request {now, tat_1 .. tat_m, w}.
+// one request {now, tat_1 .. tat_m, booked (1 or 0)}, its wait worked out
+// from the TATs it was judged against as book.lua works it out.
 const retryTail = `
-local status, wait = 1, out[#out]
-if wait < 0 then status, wait = 0, -1 - wait end
+local n, slot = ARGV[4 + 2 * m] + 0, now
+for i = 1, m do
+  local at = out[1 + i] + (n - 1) * interval[i] - tau[i]
+  if at > slot then slot = at end
+end
+local status, wait = out[#out], slot - now
 if status == 1 and wait > idx_keep then
   redis.call('ZADD', idx_key, string.format('%d', now + wait), idx_member)
   local last = redis.call('ZRANGE', idx_key, -1, -1, 'WITHSCORES')

@@ -177,75 +177,53 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 	// book.lua takes runs of requests alike: (count, n, max wait). A run's
 	// count is written once it ends (a count over 255 put in an any on
 	// every request would cost an allocation each).
-	count, lastW := 0, int64(-1)
+	count, runs := 0, 0
 	for i, r := range reqs {
 		for _, l := range limits {
 			if err := checkRequest(r, l); err != nil {
 				return nil, err
 			}
 		}
-		w := r.maxWaitMicros()
 		switch {
 		case script == book1Script:
-			args = append(args, r.N, w)
-		case count > 0 && r.N == reqs[i-1].N && w == lastW:
+			args = append(args, r.N, r.maxWaitMicros())
+		case sameRun(reqs, i):
 			count++
 		default:
 			if count > 0 {
 				args[len(args)-3] = count
 			}
-			count, lastW = 1, w
-			args = append(args, 0, r.N, w) // the count once the run ends
+			count = 1
+			args = append(args, 0, r.N, r.maxWaitMicros()) // the count once the run ends
+		}
+		if !sameRun(reqs, i) {
+			runs++
 		}
 	}
 	if script == bookScript {
 		args[len(args)-3] = count
 	}
 
-	// book.lua answers {now, tat_1 .. tat_m, then per request: its wait
-	// if booked, -1 - wait if refused}: the TATs the first request was
-	// judged against. book1.lua answers a string that book1Vals reads into
-	// the same values.
-	want := 1 + m + len(reqs)
+	// book.lua answers {now, tat_1 .. tat_m, then per run: how many of its
+	// requests were booked}; book1.lua answers a string that book1Vals
+	// reads into the same values. judge works out the rest.
 	reply, err := e.runCmd(ctx, script, keys, args)
 	var vals []int64
 	switch {
 	case err != nil:
 	case script == book1Script:
-		vals, err = book1Vals(reply, limits[0], reqs[0])
+		vals, err = book1Vals(reply)
 	default:
 		// Room after the reply's values for every booking's ends: one
 		// allocation for both.
-		vals, err = int64sCap(reply, want, m*len(reqs))
+		vals, err = int64sCap(reply, 1+m+runs, m*len(reqs))
+	}
+	var out []Booking
+	if err == nil {
+		out, err = judge(vals, limits, reqs)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("throttle: book %q: %w", keys[0], err)
-	}
-	now := vals[0]
-	out := make([]Booking, len(reqs))
-	ends := vals[want : want+m*len(reqs)]
-	// tats: what the next request is judged against, as the script judged
-	// it: where the last booking left each limit. Bookings share these
-	// slices and never write them.
-	tats := vals[1 : 1+m : 1+m]
-	for i, r := range reqs {
-		w := vals[1+m+i]
-		b := Booking{OK: w >= 0, N: r.N, now: now, starts: tats, ends: tats}
-		if !b.OK {
-			w = -1 - w
-		}
-		b.Wait = time.Duration(w) * time.Microsecond
-		b.At = time.UnixMicro(now + w)
-		if b.OK { // each limit advanced from the slot: tat = max(tat, slot) + n*I
-			slot := now + w
-			b.id = rand.Uint64()
-			b.ends = ends[m*i : m*(i+1) : m*(i+1)]
-			for k, l := range limits {
-				b.ends[k] = max(b.starts[k], slot) + int64(r.N)*l.intervalMicros()
-			}
-			tats = b.ends
-		}
-		out[i] = b
 	}
 	return out, nil
 }
@@ -631,9 +609,9 @@ func (e *Engine) Reset(ctx context.Context, keys ...string) error {
 
 // book1Vals reads book1.lua's reply ("s u", "s u tat", "s u -" or
 // "s u -tat"; see the script) into book.lua's values for one request
-// under one limit, {now, tat, wait or -1 - wait}, with room for the
-// booking's end: the wait worked out as the script works it out.
-func book1Vals(reply any, l Limit, r Request) ([]int64, error) {
+// under one limit, {now, tat, booked (1 or 0)}, with room for the
+// booking's end.
+func book1Vals(reply any) ([]int64, error) {
 	str, ok := reply.(string)
 	if !ok {
 		return nil, fmt.Errorf("unexpected reply %T, want a string", reply)
@@ -664,15 +642,67 @@ func book1Vals(reply any, l Limit, r Request) ([]int64, error) {
 			return bad()
 		}
 	}
-	I := l.intervalMicros()
-	w := max(0, tat+int64(r.N-1)*I-I*int64(l.Burst)-now)
-	// The script books exactly the waits within the request's max wait: a
-	// reply that disagrees was not made by this engine's book1.lua.
-	if (w > r.maxWaitMicros()) != refused {
-		return bad()
-	}
+	booked := int64(1)
 	if refused {
-		w = -1 - w
+		booked = 0
 	}
-	return []int64{now, tat, w, 0}, nil
+	return []int64{now, tat, booked, 0}, nil
+}
+
+// sameRun reports whether reqs[i] is alike the request before it (the
+// same n and max wait), so that book.lua takes the two in one run.
+func sameRun(reqs []Request, i int) bool {
+	return i > 0 && reqs[i].N == reqs[i-1].N && reqs[i].maxWaitMicros() == reqs[i-1].maxWaitMicros()
+}
+
+// judge works out each request's Booking as book.lua and book1.lua judge
+// them: in order, each against the TATs the bookings before it left.
+// vals is a reply's values, {now, tat_1 .. tat_m, then per run of
+// requests alike (sameRun): how many were booked}, followed by room for
+// m ends per request. The scripts book exactly the requests whose wait is
+// within their max wait, and a run's bookings are its first requests: a
+// reply that disagrees was not made by this engine's scripts.
+func judge(vals []int64, limits []Limit, reqs []Request) ([]Booking, error) {
+	m := len(limits)
+	now := vals[0]
+	// tats: what the next request is judged against, as the script judged
+	// it: where the last booking left each limit. Bookings share these
+	// slices and never write them.
+	tats := vals[1 : 1+m : 1+m]
+	booked, ends := vals[1+m:], vals[len(vals)-m*len(reqs):]
+	out := make([]Booking, len(reqs))
+	run, pos := -1, int64(0) // the request's run, and its place in it
+	for i, r := range reqs {
+		if !sameRun(reqs, i) {
+			if run >= 0 && booked[run] > pos {
+				return nil, fmt.Errorf("unexpected reply: %d of a run of %d requests booked", booked[run], pos)
+			}
+			run, pos = run+1, 0
+		}
+		slot := now
+		for k, l := range limits {
+			I := l.intervalMicros()
+			slot = max(slot, tats[k]+int64(r.N-1)*I-I*int64(l.Burst))
+		}
+		w := slot - now
+		b := Booking{OK: pos < booked[run], N: r.N, now: now, starts: tats, ends: tats,
+			Wait: time.Duration(w) * time.Microsecond, At: time.UnixMicro(slot)}
+		if b.OK == (w > r.maxWaitMicros()) {
+			return nil, fmt.Errorf("unexpected reply: request %d (wait %dµs, max wait %v) booked: %v", i, w, r.MaxWait, b.OK)
+		}
+		if b.OK { // each limit advanced from the slot: tat = max(tat, slot) + n*I
+			b.id = rand.Uint64()
+			b.ends = ends[m*i : m*(i+1) : m*(i+1)]
+			for k, l := range limits {
+				b.ends[k] = max(b.starts[k], slot) + int64(r.N)*l.intervalMicros()
+			}
+			tats = b.ends
+		}
+		out[i] = b
+		pos++
+	}
+	if booked[run] > pos {
+		return nil, fmt.Errorf("unexpected reply: %d of a run of %d requests booked", booked[run], pos)
+	}
+	return out, nil
 }

@@ -41,9 +41,14 @@ type vector struct {
 	Argv   []string             `json:"argv"`
 	Before map[string]*keyState `json:"before"`
 	Reply  json.RawMessage      `json:"reply"`
-	// Judged: for book, the TATs each request is judged against, worked
-	// out by hand (the reply carries only the first request's).
-	Judged [][]int64 `json:"judged"`
+	// Judged and Outcomes: for book, the TATs each request is judged
+	// against and what it gets, worked out by hand (the reply carries only
+	// the first request's TATs and how many of each run were booked).
+	Judged   [][]int64 `json:"judged"`
+	Outcomes []struct {
+		Booked bool  `json:"booked"`
+		WaitUS int64 `json:"wait_us"`
+	} `json:"outcomes"`
 	// Expect: for book1, whose reply is a string, what the engine makes
 	// of it.
 	Expect *struct {
@@ -401,17 +406,17 @@ func runEngineVector(t *testing.T, srv *redistest.Server, v vector) {
 			require.Equal(t, []int64{x.Tat}, b.starts, "judged against")
 			break
 		}
-		// {now, tat_1 .. tat_m, then per request: wait, or -1 - wait if refused}
+		// {now, tat_1 .. tat_m, then per run: how many were booked}
 		m := len(in.Keys)
 		judged := v.Judged
 		require.Len(t, judged, len(bs), "the TATs each request is judged against")
+		require.Len(t, v.Outcomes, len(bs), "what each request gets")
 		require.Equal(t, want[1:1+m], judged[0], "the reply's TATs are the first request's")
 		for i, b := range bs {
-			w := want[1+m+i]
-			wait := max(w, -1-w)
-			require.Equal(t, w >= 0, b.OK, "request %d booked", i)
-			require.Equal(t, time.Duration(wait)*time.Microsecond, b.Wait, "request %d wait", i)
-			require.Equal(t, time.UnixMicro(v.Now+wait), b.At, "request %d slot", i)
+			x := v.Outcomes[i]
+			require.Equal(t, x.Booked, b.OK, "request %d booked", i)
+			require.Equal(t, time.Duration(x.WaitUS)*time.Microsecond, b.Wait, "request %d wait", i)
+			require.Equal(t, time.UnixMicro(v.Now+x.WaitUS), b.At, "request %d slot", i)
 			require.Equal(t, judged[i], b.starts, "request %d judged against", i)
 		}
 	case "refund":

@@ -19,14 +19,15 @@
 -- If t - now exceeds its max wait it is refused and writes nothing;
 -- otherwise every limit advances: tat_i = max(tat_i, t) + n*I_i.
 --
--- Returns {now, tat_1 .. tat_m, then per request: w}: the TATs the first
--- request is judged against (max(stored, now)), and for each request its
--- wait if it was booked, or -1 - wait if it was refused. Every later
--- request is judged against the TATs its predecessors left, which the
--- caller works out from these (a booking leaves max(tat_i, t) + n*I_i), so
--- the reply carries one value per request. Values stay integral. SET gets
--- them through string.format('%d'): Redis 7.0 formats a Lua number
--- argument with snprintf's %.17g, which costs more.
+-- Returns {now, tat_1 .. tat_m, then per run: booked}: the TATs the first
+-- request is judged against (max(stored, now)), and how many of each
+-- run's requests were booked. A refusal leaves the TATs as they were, so
+-- the requests after it in its run (alike) are refused too: a run's
+-- bookings are its first requests. The caller works out each request's wait from these
+-- as this script does (a booking leaves max(tat_i, t) + n*I_i), so the
+-- reply carries one value per run, not per request. Values stay integral.
+-- SET gets them through string.format('%d'): Redis 7.0 formats a Lua
+-- number argument with snprintf's %.17g, which costs more.
 -- now: set by clock.lua, put before this script by the engine.
 
 -- x + 0 converts as tonumber(x) does, without a function call.
@@ -45,24 +46,39 @@ end
 
 for r = 3 + 2 * m, #ARGV, 3 do
   local count, n, maxwait = ARGV[r] + 0, ARGV[r + 1] + 0, ARGV[r + 2] + 0
-  for _ = 1, count do
-    local slot = now
-    for i = 1, m do
-      local at = tat[i] + (n - 1) * interval[i] - tau[i]
-      if at > slot then slot = at end
+  local booked = 0
+  if m == 1 and (n - 1) * interval[1] <= tau[1] then
+    -- One limit: a booking's slot never lies past tat (n <= burst + 1), so
+    -- the j-th booking of the run waits max(0, a + j*step) and leaves
+    -- tat + (j+1)*step. The run books every j with a + j*step <= maxwait,
+    -- worked out at once rather than request by request (room and step
+    -- are integers below 2^53, so the floor of their quotient is exact).
+    local step = n * interval[1]
+    local room = maxwait - (tat[1] + (n - 1) * interval[1] - tau[1] - now)
+    if maxwait >= 0 and room >= 0 then
+      booked = room / step
+      booked = booked - booked % 1 + 1
+      if booked > count then booked = count end
+      tat[1] = tat[1] + booked * step
     end
-    local wait = slot - now
-    k = k + 1
-    if wait <= maxwait then
-      out[k] = wait
+  else
+    for _ = 1, count do
+      local slot = now
+      for i = 1, m do
+        local at = tat[i] + (n - 1) * interval[i] - tau[i]
+        if at > slot then slot = at end
+      end
+      -- The rest of the run would see the same TATs: refused too.
+      if slot - now > maxwait then break end
+      booked = booked + 1
       for i = 1, m do
         if slot > tat[i] then tat[i] = slot end
         tat[i] = tat[i] + n * interval[i]
       end
-    else
-      out[k] = -1 - wait
     end
   end
+  k = k + 1
+  out[k] = booked
 end
 
 for i = 1, m do

@@ -89,9 +89,10 @@ book1("a TAT exactly horizon + 2*tau + I ahead is accepted (and refused)",
 
 # book's hand-worked outcome is given per request as (booked 1/0, wait,
 # the m TATs it is judged against) after now: [now, ok_1, w_1, tats_1...,
-# ok_2, ...]. book() lays it out as the reply (now, the first request's
-# TATs, then each wait, -1 - wait if refused) and 'judged', and the
-# requests as the runs of like ones the script takes (count, n, max wait).
+# ok_2, ...]. book() lays out the requests as the runs of like ones the
+# script takes (count, n, max wait), the reply (now, the first request's
+# TATs, then how many of each run were booked), 'outcomes' (each
+# request's booked and wait) and 'judged'.
 def book(name, note, before, keys, limits, params, reqs, outcome, after, now=N):
     m = len(keys)
     runs = []
@@ -101,11 +102,18 @@ def book(name, note, before, keys, limits, params, reqs, outcome, after, now=N):
     argv = [s(now), s(m)] + [s(x) for p in params for x in p] + [s(x) for r in runs for x in r]
     assert outcome[0] == now
     per = [outcome[1 + i * (2 + m): 1 + (i + 1) * (2 + m)] for i in range(len(reqs))]
-    reply = [now] + per[0][2:] + [w if ok else -1 - w for ok, w, *_ in per]
+    booked, i = [], 0
+    for count, _, _ in runs:
+        oks = [ok for ok, *_ in per[i:i + count]]
+        assert oks == sorted(oks, reverse=True), "a run's bookings are its first requests"
+        booked.append(sum(oks))
+        i += count
+    reply = [now] + per[0][2:] + booked
     V.append({"name": name, "script": "book", "note": note, "now": now,
               "input": {"prefix": P, "keys": [k[len(P):] for k in keys], "limits": limits,
                         "requests": [{"n": n, "max_wait_us": w} for n, w in reqs]},
               "keys": keys, "argv": argv, "before": before, "reply": reply, "after": after,
+              "outcomes": [{"booked": bool(ok), "wait_us": w} for ok, w, *_ in per],
               "judged": [x[2:] for x in per]})
 
 book("batch on one key: each request judged in order",
@@ -120,6 +128,12 @@ book("batch with every request refused writes nothing",
      {K1: {"value": s(T(600000)), "px": 601}}, [K1], [L10b5], [(100000, 500000)],
      [(1, 0), (1, 50000)], [N, 0, 100000, T(600000), 0, 100000, T(600000)],
      {K1: {"value": s(T(600000))}})
+book("a run of eight alike on an idle key: the burst at once, then one an interval on",
+     "tat = now; waits max(0, now + j*I - tau - now) = 0 for j = 0..5, then 100000 <= 150000: booked; "
+     "j = 7: 200000 > 150000, refused; tat = now + 7I",
+     {}, [K1], [L10b5], [(100000, 500000)], [(1, 150000)] * 8,
+     [N] + [x for j in range(7) for x in (1, max(0, j * 100000 - 500000), T(j * 100000))] + [0, 200000, T(700000)],
+     {K1: {"value": s(T(700000)), "px": 701}})
 book("two limits: the per-minute one binds",
      "at1 = now+200000 - 200000 = now; at2 = now+15s - 12s = now+3s; slot now+3s, wait 3s <= 5s: booked; "
      "tat1 = max(now+0.2s, now+3s) + 0.1s = now+3.1s; tat2 = now+15s + 3s = now+18s. "
@@ -262,8 +276,10 @@ doc = {
               "exist; a key with 'px' was written with that time to live, a key without it was not written by "
               "the call. 'px' is what the scripts set on the Redis clock (ARGV[1] = \"\"); under an explicit now "
               "they add explicit_now_hold_ms, so that Redis's own clock never expires a key the explicit "
-              "clock has not passed. For book, 'judged' lists the TATs each request is judged against (the "
-              "reply carries the first request's; a client works out the rest). book1 answers one string "
+              "clock has not passed. For book, 'outcomes' lists what a client makes of the reply for each "
+              "request (booked or refused, and the wait) and 'judged' the TATs each request is judged against "
+              "(the reply carries the first request's and how many of each run were booked; a client works out "
+              "the rest). book1 answers one string "
               "(docs/PROTOCOL.md); its 'expect' is what a client makes of it: booked or refused, the wait, and "
               "the TAT the request was judged against. 'input' is the same call in the library's terms (limits as rate per "
               "period_ms with burst; times in microseconds). Expected values were worked out by hand from the "
