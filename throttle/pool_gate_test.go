@@ -253,6 +253,12 @@ func TestLeaseWaitersDoNotOpenBreaker(t *testing.T) {
 	redistest.UntilOK(t, func() error { _, err := eng.Allow(ctx, "warm", lim); return err })
 	var wg sync.WaitGroup
 	var held []*lease.Lease
+	// The waiters wait until the limiter calls are done. Had they a
+	// timeout of their own, a slow start could let one give up during the
+	// calls: its connection then closes just as a call's wait for a turn
+	// ends, and the pool reads not full.
+	wctx, stopWaiters := context.WithTimeout(ctx, 30*time.Second)
+	defer stopWaiters()
 	for i := range o.PoolSize {
 		key := "key" + string(rune('a'+i))
 		var l *lease.Lease
@@ -261,8 +267,6 @@ func TestLeaseWaitersDoNotOpenBreaker(t *testing.T) {
 		wg.Add(1)
 		go func() { // a waiter: it blocks on the key's wake-up list
 			defer wg.Done()
-			wctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-			defer cancel()
 			if l, err := sem.Acquire(wctx, key); err == nil {
 				_ = l.Release(ctx)
 			}
@@ -289,6 +293,7 @@ func TestLeaseWaitersDoNotOpenBreaker(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	stopWaiters()
 	wg.Wait() // the waiters give up
 	for _, l := range held {
 		redistest.UntilOK(t, func() error { return l.Release(ctx) })
