@@ -144,7 +144,7 @@ func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, r
 	args = append(args, nowArg(ctx), m)
 	for _, l := range limits {
 		I := l.intervalMicros()
-		args = append(args, I, I*int64(l.Burst))
+		args = append(args, I, l.tauMicros())
 	}
 	args = append(args, 1, req.N, req.maxWaitMicros()) // book.lua's run of one request
 	args = append(args, idx.Member, int64(idx.KeepFrom/time.Microsecond), int64(idx.Window/time.Microsecond), idx.MaxDue,

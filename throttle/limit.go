@@ -88,6 +88,11 @@ func (l Limit) intervalMicros() int64 {
 	return ceilMicros(time.Duration(ns))
 }
 
+// tauMicros is the limit's tolerance, Burst intervals, in microseconds:
+// how far ahead of now a key's TAT may lie with a request still passing
+// at once.
+func (l Limit) tauMicros() int64 { return l.intervalMicros() * int64(l.Burst) }
+
 // String returns the limit as "10/1s burst 5".
 func (l Limit) String() string {
 	return fmt.Sprintf("%d/%v burst %d", l.Rate, l.Period, l.Burst)

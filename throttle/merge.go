@@ -198,7 +198,7 @@ func (m *merger) send(ctx context.Context, t turn, items []*mergeItem) []mergeAn
 	for i, x := range items {
 		full[i] = e.prefix + x.key
 		I := x.limit.intervalMicros()
-		a = append(a, I, I*int64(x.limit.Burst), x.req.N, x.req.maxWaitMicros())
+		a = append(a, I, x.limit.tauMicros(), x.req.N, x.req.maxWaitMicros())
 	}
 	answers := make([]mergeAnswer, k)
 	lbl := label(items[0].key)

@@ -59,7 +59,7 @@ func (e *Engine) AllowAll(ctx context.Context, keys []string, limits []Limit, n 
 	r := Result{Allowed: b.OK, Remaining: MaxBatch}
 	for i, l := range limits {
 		I := l.intervalMicros()
-		tau := I * int64(l.Burst)
+		tau := l.tauMicros()
 		// Units that fit now: floor((now + tau - tat) / I) + 1. The division
 		// floors: Go's truncates toward zero, which is one too many for a
 		// negative numerator.
@@ -172,7 +172,7 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 	}
 	for _, l := range limits {
 		I := l.intervalMicros()
-		args = append(args, I, I*int64(l.Burst))
+		args = append(args, I, l.tauMicros())
 	}
 	// book.lua takes runs of requests alike: (count, n, max wait). A run's
 	// count is written once it ends (a count over 255 put in an any on
@@ -309,7 +309,7 @@ func (e *Engine) BlockAll(ctx context.Context, keys []string, limits []Limit, d 
 		}
 	}
 	l := limits[k]
-	args := []any{nowArg(ctx), ceilMicros(d), l.intervalMicros(), l.intervalMicros() * int64(l.Burst)}
+	args := []any{nowArg(ctx), ceilMicros(d), l.intervalMicros(), l.tauMicros()}
 	if _, err := e.run(ctx, blockScript, keys[k:k+1], args, 2); err != nil {
 		return fmt.Errorf("throttle: block %q: %w", keys[k], err)
 	}
@@ -682,7 +682,7 @@ func judge(vals []int64, limits []Limit, reqs []Request) ([]Booking, error) {
 		slot := now
 		for k, l := range limits {
 			I := l.intervalMicros()
-			slot = max(slot, tats[k]+int64(r.N-1)*I-I*int64(l.Burst))
+			slot = max(slot, tats[k]+int64(r.N-1)*I-l.tauMicros())
 		}
 		w := slot - now
 		b := Booking{OK: pos < booked[run], N: r.N, now: now, starts: tats, ends: tats,

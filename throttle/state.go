@@ -86,7 +86,7 @@ func (e *Engine) State(ctx context.Context, keys []string, limits []Limit) (Stat
 	args = append(args, nowArg(ctx))
 	for _, l := range limits {
 		I := l.intervalMicros()
-		args = append(args, I, I*int64(l.Burst))
+		args = append(args, I, l.tauMicros())
 	}
 	vals, err := e.run(ctx, stateScript, keys, args, 1+3*len(keys))
 	if err != nil {
@@ -115,7 +115,7 @@ func (e *Engine) State(ctx context.Context, keys []string, limits []Limit) (Stat
 		if limits != nil {
 			l := limits[i]
 			I := l.intervalMicros()
-			tau := I * int64(l.Burst)
+			tau := l.tauMicros()
 			ks.Limit = l
 			ks.Wait = time.Duration(max(0, tat-tau-now)) * time.Microsecond
 			// As AllowAll's Remaining: floor((now + tau - tat) / I) + 1 units
