@@ -10,12 +10,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/deadline"
+	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/reserve"
 	"github.com/slotbook/slotbook/throttle"
 )
@@ -113,12 +116,20 @@ func TestReviewLateAfterCancelSlowGiveBack(t *testing.T) {
 	// Cancel waits (up to a second) for the late give-back.
 	l, err := reserve.New(eng, "slow", throttle.Every(5*time.Second, 1, 0))
 	require.NoError(t, err)
+	// The late give-back goes out on a goroutine as ReserveBatch returns,
+	// so the test cannot hold its reply back in time by itself (on a busy
+	// machine the goroutine ran first, and its reply came in 40 ms): the
+	// hook holds replies back 1.5 s once the batch's call (book.lua, more
+	// arguments than book1.lua's) is answered, before ReserveBatch sees it.
+	hook := &delayAfterBatch{p: p}
+	eng.Client().(*redis.Client).AddHook(hook)
 	for _, how := range []string{"cancel", "wait", "short-then-again"} {
 		t.Run(how, func(t *testing.T) {
 			key := "slow-" + how
 			p.SetReplyDelay(40 * time.Millisecond)
+			hook.armed.Store(true)
 			_, booked, _ := earlyLateBatch(t, l, key)
-			p.SetReplyDelay(1500 * time.Millisecond) // the late refund's reply is lost
+			require.False(t, hook.armed.Load(), "the batch's call went through the hook")
 			time.Sleep(50 * time.Millisecond)
 			p.SetReplyDelay(0) // the caller's own refund is answered at once
 			switch how {
@@ -270,4 +281,28 @@ func TestReviewLateAfterWaitCutAtOnceLostGiveBack(t *testing.T) {
 		}
 	}
 	require.Zero(t, lost, "rounds (of %d) in which the booked one's room was lost", rounds)
+}
+
+// delayAfterBatch, once armed, holds every reply of p back 1.5 s from the
+// moment a book.lua call (a script call of more than book1.lua's nine
+// arguments) is answered, before its caller sees the reply.
+type delayAfterBatch struct {
+	p     *redistest.Proxy
+	armed atomic.Bool
+}
+
+func (h *delayAfterBatch) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h *delayAfterBatch) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if name := cmd.Name(); (name == "evalsha" || name == "eval") && len(cmd.Args()) > 9 && h.armed.CompareAndSwap(true, false) {
+			h.p.SetReplyDelay(1500 * time.Millisecond)
+		}
+		return err
+	}
+}
+
+func (h *delayAfterBatch) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
 }
