@@ -184,10 +184,14 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 				return nil, err
 			}
 		}
+		same := sameRun(reqs, i)
+		if !same {
+			runs++
+		}
 		switch {
 		case script == book1Script:
 			args = append(args, r.N, r.maxWaitMicros())
-		case sameRun(reqs, i):
+		case same:
 			count++
 		default:
 			if count > 0 {
@@ -195,9 +199,6 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 			}
 			count = 1
 			args = append(args, 0, r.N, r.maxWaitMicros()) // the count once the run ends
-		}
-		if !sameRun(reqs, i) {
-			runs++
 		}
 	}
 	if script == bookScript {

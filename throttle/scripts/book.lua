@@ -23,9 +23,10 @@
 -- request is judged against (max(stored, now)), and how many of each
 -- run's requests were booked. A refusal leaves the TATs as they were, so
 -- the requests after it in its run (alike) are refused too: a run's
--- bookings are its first requests. The caller works out each request's wait from these
--- as this script does (a booking leaves max(tat_i, t) + n*I_i), so the
--- reply carries one value per run, not per request. Values stay integral.
+-- bookings are its first requests. The caller works out each request's
+-- wait from these as this script does (a booking leaves
+-- max(tat_i, t) + n*I_i), so the reply carries one value per run, not per
+-- request. Values stay integral.
 -- SET gets them through string.format('%d'): Redis 7.0 formats a Lua
 -- number argument with snprintf's %.17g, which costs more.
 -- now: set by clock.lua, put before this script by the engine.
