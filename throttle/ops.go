@@ -671,6 +671,10 @@ func judge(vals []int64, limits []Limit, reqs []Request) ([]Booking, error) {
 	// slices and never write them.
 	tats := vals[1 : 1+m : 1+m]
 	booked, ends := vals[1+m:], vals[len(vals)-m*len(reqs):]
+	var interval, tau [MaxLimits]int64 // each limit's, worked out once
+	for k, l := range limits {
+		interval[k], tau[k] = l.intervalMicros(), l.tauMicros()
+	}
 	out := make([]Booking, len(reqs))
 	run, pos := -1, int64(0) // the request's run, and its place in it
 	for i, r := range reqs {
@@ -681,9 +685,8 @@ func judge(vals []int64, limits []Limit, reqs []Request) ([]Booking, error) {
 			run, pos = run+1, 0
 		}
 		slot := now
-		for k, l := range limits {
-			I := l.intervalMicros()
-			slot = max(slot, tats[k]+int64(r.N-1)*I-l.tauMicros())
+		for k := range m {
+			slot = max(slot, tats[k]+int64(r.N-1)*interval[k]-tau[k])
 		}
 		w := slot - now
 		b := Booking{OK: pos < booked[run], N: r.N, now: now, starts: tats, ends: tats,
@@ -694,8 +697,8 @@ func judge(vals []int64, limits []Limit, reqs []Request) ([]Booking, error) {
 		if b.OK { // each limit advanced from the slot: tat = max(tat, slot) + n*I
 			b.id = rand.Uint64()
 			b.ends = ends[m*i : m*(i+1) : m*(i+1)]
-			for k, l := range limits {
-				b.ends[k] = max(b.starts[k], slot) + int64(r.N)*l.intervalMicros()
+			for k := range m {
+				b.ends[k] = max(b.starts[k], slot) + int64(r.N)*interval[k]
 			}
 			tats = b.ends
 		}
