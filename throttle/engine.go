@@ -594,7 +594,7 @@ func (e *Engine) Load(ctx context.Context) error {
 }
 
 // engineScripts are the scripts Load sends.
-var engineScripts = []*script{bookScript, book1Script, bookManyScript, refundScript, heartbeatScript, blockScript, resetScript, windowScript, stateScript}
+var engineScripts = []*script{bookScript, book1Script, bookManyScript, bookRetryScript, refundScript, heartbeatScript, blockScript, resetScript, windowScript, stateScript}
 
 // loadNode sends the scripts to the one node of c in one pipeline, within
 // the engine's timeout.

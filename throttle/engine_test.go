@@ -11,6 +11,8 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
+	"github.com/slotbook/slotbook/internal/callcount"
+	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -403,4 +405,24 @@ func TestLoadSendsScripts(t *testing.T) {
 	_, err := e.eng.Allow(ctx, "k", tenPerSecond)
 	require.NoError(t, err)
 	require.Equal(t, int64(1), e.calls.Load()-before, "one call per decision once loaded")
+}
+
+// TestLoadSendsBookRetryScript: after Load on a server whose script cache
+// is empty, BookRetry (asynqadapter's booked retries) is one call, as every
+// other booking is: Load sends its script too.
+func TestLoadSendsBookRetryScript(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t) // its own script cache
+	rdb := srv.Client(t)
+	calls := callcount.Attach(rdb)
+	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(5*time.Second))
+	require.NoError(t, err)
+	ctx := context.Background()
+	require.NoError(t, eng.Load(ctx))
+	before := calls.Load()
+	rb, err := eng.BookRetry(ctx, []string{"r:{k}"}, []throttle.Limit{tenPerSecond}, throttle.Request{N: 1, MaxWait: time.Minute},
+		throttle.RetryIndex{Key: "r:{k}:asynq", Member: "a", KeepFrom: time.Second, Window: time.Second, MaxDue: 10})
+	require.NoError(t, err)
+	require.True(t, rb.OK)
+	require.Equal(t, int64(1), calls.Load()-before, "one call once loaded, no NOSCRIPT round trip")
 }
