@@ -246,7 +246,9 @@ func r3Lost(err error) bool {
 // never come early.
 func TestReviewRuns3ReplyLostTestClock(t *testing.T) {
 	t.Parallel()
-	srv := redistest.Shared(t)
+	// A server of its own: another test's SCRIPT FLUSH on the shared one
+	// turns a lost call's reply into NOSCRIPT, and the script never runs.
+	srv := redistest.Start(t)
 	direct := srv.Client(t)
 	p := redistest.NewProxy(t, srv.Addr)
 	rdb := p.Client(t, srv)
@@ -438,7 +440,9 @@ func TestReviewRuns3ReplyLostTestClock(t *testing.T) {
 // early.
 func TestReviewRuns3ReplyLostRedisClock(t *testing.T) {
 	t.Parallel()
-	srv := redistest.Shared(t)
+	// A server of its own: another test's SCRIPT FLUSH on the shared one
+	// turns a lost call's reply into NOSCRIPT, and the script never runs.
+	srv := redistest.Start(t)
 	direct := srv.Client(t)
 	prefix := redistest.Prefix(t)
 	deng, err := throttle.New(direct, throttle.WithPrefix(prefix), throttle.WithTimeout(10*time.Second))
@@ -588,7 +592,9 @@ func TestReviewRuns3ReplyLostRedisClock(t *testing.T) {
 // two (its loop).
 func TestReviewRuns3SeveredInFlight(t *testing.T) {
 	t.Parallel()
-	srv := redistest.Shared(t)
+	// A server of its own: another test's SCRIPT FLUSH on the shared one
+	// turns a lost call's reply into NOSCRIPT, and the script never runs.
+	srv := redistest.Start(t)
 	direct := srv.Client(t)
 	p := redistest.NewProxy(t, srv.Addr)
 	// go-redis's default retries: the engine must keep them from running
