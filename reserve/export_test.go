@@ -18,3 +18,7 @@ func QueueLen(l *Limiter, key string) int {
 	}
 	return 0
 }
+
+// Instances returns how many processes l's local share divides its limits
+// by: assumed, or the count learned from the latest heartbeat.
+func Instances(l *Limiter) int64 { return l.fallback.instances.Load() }
