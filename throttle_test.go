@@ -214,9 +214,8 @@ func TestOneKeyPerSubject(t *testing.T) {
 }
 
 // TestCompetingAcquire: 20 clients share 10/s burst 5 through Acquire with a
-// 2 s max wait for 3 s. At most one script call per request (exactly one
-// with coalescing off), no refusals, starts spaced 100ms apart, each at its
-// booked slot.
+// 2 s max wait for 3 s. At most one script call per request, no refusals,
+// starts spaced 100ms apart, each at its booked slot.
 func TestCompetingAcquire(t *testing.T) {
 	for _, coalesce := range []bool{false, true} {
 		t.Run("coalescing="+strconv.FormatBool(coalesce), func(t *testing.T) {
@@ -292,11 +291,9 @@ func competingAcquire(t *testing.T, coalesce bool) {
 	calls := e.calls.Load() - before
 
 	require.Zero(t, refused, "refusals")
-	if coalesce {
-		require.LessOrEqual(t, calls, int64(len(starts)), "at most one Redis call per request")
-	} else {
-		require.Equal(t, int64(len(starts)), calls, "one Redis call per request")
-	}
+	// Coalesced in the process, or merged by the engine when more than
+	// WithMergeAt's bookings are in flight (the first instant's burst).
+	require.LessOrEqual(t, calls, int64(len(starts)), "at most one Redis call per request")
 
 	slices.SortFunc(starts, func(a, b start) int { return a.at.Compare(b.at) })
 	var late []time.Duration

@@ -226,10 +226,14 @@ func TestCoalescingFewCallersSendAlone(t *testing.T) {
 }
 
 // TestCoalescingQueueBounded: past the queue bound, callers make calls of
-// their own instead of queueing, so memory stays bounded.
+// their own instead of queueing, so memory stays bounded. Five calls are
+// held in flight at once: the engine lets that many fly before it merges.
 func TestCoalescingQueueBounded(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
+	var err error
+	e.eng, err = throttle.New(e.rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second), throttle.WithMergeAt(5))
+	require.NoError(t, err)
 	g := newGate(e.rdb)
 	l := e.limiter(t, throttle.PerSecond(1000, 100))
 	reserve.SetMaxQueue(l, 2)

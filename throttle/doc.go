@@ -90,9 +90,12 @@
 // not delay the next probe.
 //
 // Single bookings (one request under one limit) that find every
-// connection busy are merged (WithMerging, on by default, for a client
-// that is not a Cluster's): they wait at the gate together, and go out in
-// one call when a connection frees, each judged as it would be alone.
+// connection busy, or four bookings already in flight (WithMergeAt), are
+// merged (WithMerging, on by default, for a client that is not a
+// Cluster's): they wait together for one of those calls to come back, and
+// go out in one call, each judged as it would be alone. Redis runs one
+// command at a time, so calls beyond a few in flight would only queue
+// there, each paying its own round of work in the client and the server.
 // That call is one call for the breaker and the timeout, and for the
 // Observer one for each limiter name among its keys (ObserveCall); each
 // booking's error is the call's: a lost reply is ErrReplyLost for every

@@ -1,6 +1,7 @@
 package throttle
 
 import (
+	"cmp"
 	"context"
 	_ "embed"
 	"errors"
@@ -118,6 +119,7 @@ type Engine struct {
 	// one call (nil where it is not used: see merger).
 	merge     *merger
 	noMerging bool // WithMerging(false)
+	mergeAt   int  // WithMergeAt; 0 until New sets the default
 }
 
 // unreadNode names the pseudo-node of a Cluster whose slot map cannot be
@@ -262,8 +264,9 @@ func WithTimeout(d time.Duration) Option {
 // bookings (BookAll of one request under one limit, as package reserve
 // sends for a caller alone; not the check mode of Allow, whose callers
 // want an answer now, cut short by their context) that find every
-// connection to Redis busy wait together and go out in one call when a
-// connection frees, instead of one call each: at many keys and many callers this costs much less CPU per
+// connection to Redis busy, or WithMergeAt's count of bookings in flight,
+// wait together and go out in one call when one frees, instead of one
+// call each: at many keys and many callers this costs much less CPU per
 // booking, in Redis and in the client. Each booking is judged as it would
 // be alone. It is used only where it can be: a client that is not a
 // Cluster's (whose keys may lie on different nodes), whose pool size is
@@ -273,6 +276,28 @@ func WithTimeout(d time.Duration) Option {
 func WithMerging(on bool) Option {
 	return func(e *Engine) error {
 		e.noMerging = !on
+		return nil
+	}
+}
+
+// defaultMergeAt is WithMergeAt's default.
+const defaultMergeAt = 4
+
+// WithMergeAt sets how many single bookings (and merged calls) may be in
+// flight to Redis at once before further ones are merged (WithMerging):
+// a booking that finds that many in flight waits for one of them to
+// come back, with the other bookings that arrive meanwhile, and they go
+// out in one call. Redis runs one command at a time, so calls beyond a
+// few in flight only queue there, each costing a round of the client's
+// and the server's work; merged, they share one. The default is 4; a
+// count at or above the client's pool size merges only when every
+// connection is busy. It has no effect where merging is off.
+func WithMergeAt(inFlight int) Option {
+	return func(e *Engine) error {
+		if inFlight < 1 {
+			return fmt.Errorf("throttle: WithMergeAt(%d): want at least 1", inFlight)
+		}
+		e.mergeAt = inFlight
 		return nil
 	}
 }
@@ -342,6 +367,9 @@ func New(rdb redis.Scripter, opts ...Option) (*Engine, error) {
 		e.fixed = e.ref(e.addr)
 		if e.fixed.gate != nil && e.timeout > 0 && !e.noMerging {
 			e.merge = &merger{e: e}
+			if k := cmp.Or(e.mergeAt, defaultMergeAt); k < cap(e.fixed.gate) {
+				e.merge.flight = make(chan struct{}, k)
+			}
 		}
 	}
 	return e, nil

@@ -19,28 +19,32 @@ import (
 const maxMerge = 64
 
 // A merger gathers single bookings (one request on one key under one
-// limit, book1.lua's calls) that find every connection to a node busy, so
-// that they go out together, in one call of bookmany.lua, when a
-// connection frees: at many keys and many callers, one call then books
-// many keys, for much less server and client CPU per booking than one
-// call each (BenchmarkBook1Pipelining). A booking that finds a connection
-// free goes alone, as before; so does every other call.
+// limit, book1.lua's calls) that find every connection to a node busy, or
+// the most bookings WithMergeAt lets fly already in flight, so that they
+// go out together, in one call of bookmany.lua, when one frees: at many
+// keys and many callers, one call then books many keys, for much less
+// server and client CPU per booking than one call each
+// (BenchmarkBook1Pipelining). A booking that finds room goes alone; so
+// does every other call.
 //
-// The first request of a batch leads it: it waits for the connection
-// (bounded by its context's wait, see waitbound), takes the batch and
-// sends it. Until then the batch takes more requests (up to maxMerge), and
-// a request whose wait ends leaves it, nothing sent; if that was the
-// leader, the next request leads. Once taken, a request's answer comes
+// The first request of a batch leads it: it waits for a flight token and
+// the connection (bounded by its context's wait, see waitbound), takes the
+// batch and sends it. Until then the batch takes more requests (up to
+// maxMerge), and a request whose wait ends leaves it, nothing sent; if
+// that was the leader, the next request leads. Once taken, a request's answer comes
 // with the call's (bounded by the engine's timeout, as a batch of calls
 // from package reserve is): the call books for every request in it, so
 // none is cut short. A merger is used only for a client that is not a
 // Cluster's (the keys of one call need not share a hash slot), with a
 // known pool size and a timeout.
 type merger struct {
-	e    *Engine
-	off  atomic.Bool // set once the server refused a merged call's keys as not one slot's
-	mu   sync.Mutex  // guards open, and each batch's items and taken
-	open *mergeBatch // the batch taking requests, if any
+	e   *Engine
+	off atomic.Bool // set once the server refused a merged call's keys as not one slot's
+	// flight holds a token for each single booking and merged call in
+	// flight (WithMergeAt), nil where only a full pool merges.
+	flight chan struct{}
+	mu     sync.Mutex  // guards open, and each batch's items and taken
+	open   *mergeBatch // the batch taking requests, if any
 }
 
 // A mergeBatch is the requests of one merged call.
@@ -69,12 +73,22 @@ type mergeAnswer struct {
 }
 
 // book books req for key under limit in a merged call, if every
-// connection is busy; merged reports whether it did (if not, the caller
-// sends the request alone).
-func (m *merger) book(ctx context.Context, key string, limit Limit, req Request) (b Booking, err error, merged bool) {
-	gate := m.e.fixed.gate
-	if len(gate) < cap(gate) || nowArg(ctx) != "" || m.off.Load() {
-		return Booking{}, nil, false // a connection is free (or a test clock, or no merging here): alone
+// connection is busy or the most bookings that go alone are in flight;
+// merged reports whether it did. If not, the caller sends the request
+// alone and calls done once its call is over.
+func (m *merger) book(ctx context.Context, key string, limit Limit, req Request) (b Booking, err error, merged bool, done func()) {
+	if nowArg(ctx) != "" || m.off.Load() {
+		return Booking{}, nil, false, noCancel // a test clock, or no merging here: alone
+	}
+	if gate := m.e.fixed.gate; len(gate) < cap(gate) {
+		if m.flight == nil {
+			return Booking{}, nil, false, noCancel // a connection is free: alone
+		}
+		select {
+		case m.flight <- struct{}{}:
+			return Booking{}, nil, false, m.land // room in flight: alone
+		default: // enough bookings in flight: wait for one, with others
+		}
 	}
 	it := &mergeItem{key: key, limit: limit, req: req, answer: make(chan mergeAnswer, 1)}
 	m.mu.Lock()
@@ -97,8 +111,11 @@ func (m *merger) book(ctx context.Context, key string, limit Limit, req Request)
 	if a.lead {
 		a = m.lead(ctx, batch, it)
 	}
-	return a.b, a.err, !a.alone
+	return a.b, a.err, !a.alone, noCancel
 }
+
+// land gives back a flight token.
+func (m *merger) land() { <-m.flight }
 
 // await waits for it's answer: named leader, or answered. While batch is
 // not taken, it leaves when ctx's wait ends, nothing sent.
@@ -147,6 +164,15 @@ func (m *merger) leaveLocked(batch *mergeBatch, it *mergeItem) {
 // and answers each of its requests; it returns its own request's answer.
 func (m *merger) lead(ctx context.Context, batch *mergeBatch, it *mergeItem) mergeAnswer {
 	e := m.e
+	if m.flight != nil {
+		if err := m.board(ctx); err != nil {
+			m.mu.Lock()
+			m.leaveLocked(batch, it)
+			m.mu.Unlock()
+			return mergeAnswer{err: err}
+		}
+		defer m.land()
+	}
 	t, err := e.take(ctx, e.prefix+it.key, label(it.key))
 	m.mu.Lock()
 	if err != nil {
@@ -184,6 +210,22 @@ func (m *merger) lead(ctx context.Context, batch *mergeBatch, it *mergeItem) mer
 		x.answer <- answers[i] // never blocks: its one answer
 	}
 	return own
+}
+
+// board waits for a flight token, bounded by ctx's wait (see waitbound).
+func (m *merger) board(ctx context.Context) error {
+	select {
+	case m.flight <- struct{}{}:
+		return nil
+	default:
+	}
+	wctx := waitbound.Of(ctx)
+	select {
+	case m.flight <- struct{}{}:
+		return nil
+	case <-wctx.Done():
+		return wctx.Err()
+	}
 }
 
 // send runs bookmany.lua for items in turn t, under ctx's values but not

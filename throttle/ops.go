@@ -156,12 +156,14 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 		if err := checkRequest(reqs[0], limits[0]); err != nil {
 			return nil, err
 		}
-		if b, err, merged := e.merge.book(ctx, keys[0], limits[0], reqs[0]); merged {
+		b, err, merged, done := e.merge.book(ctx, keys[0], limits[0], reqs[0])
+		if merged {
 			if err != nil {
 				return nil, fmt.Errorf("throttle: book %q: %w", keys[0], err)
 			}
 			return []Booking{b}, nil
 		}
+		defer done()
 	}
 	args := cmdArgs(m, 2+2*m+3*len(reqs))
 	args = append(args, nowArg(ctx))

@@ -77,7 +77,7 @@ func TestDemoJSON(t *testing.T) {
 	require.Len(t, got, 3)
 	res, retry, pl := got["reserve"], got["retry"], got["pool"]
 	require.Positive(t, res.Through)
-	require.Equal(t, 1.0, res.CallsPerRequest, "reservation: one call per request")
+	require.LessOrEqual(t, res.CallsPerRequest, 1.0, "reservation: at most one call per request")
 	require.Zero(t, res.Denials)
 	require.Greater(t, retry.CallsPerRequest, 3.0, "retry-after-denial stampedes")
 	require.Positive(t, pl.Through)

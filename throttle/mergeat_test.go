@@ -1,0 +1,112 @@
+package throttle_test
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/slotbook/slotbook/internal/redistest"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+// TestMergeAtMergesWithConnectionsFree: 16 callers book single requests
+// through a client of 20 connections, so that a connection is always
+// free. With WithMergeAt(2) the bookings beyond two in flight merge: fewer
+// calls than bookings, each booking as a textbook GCRA gives it. With
+// WithMergeAt(20), the pool's size (the control, in the same run), only a
+// full pool merges, so every booking is a call of its own.
+func TestMergeAtMergesWithConnectionsFree(t *testing.T) {
+	t.Parallel()
+	for _, at := range []int{2, 20} {
+		t.Run(fmt.Sprintf("at=%d", at), func(t *testing.T) {
+			eng, _, _, calls := mergeEngine(t, 20, throttle.WithMergeAt(at))
+			before := calls.Load()
+			recs, total := bookConcurrently(t, eng, 16, 40, 7)
+			used := calls.Load() - before
+			replayTextbook(t, recs)
+			t.Logf("%d bookings in %d calls", total, used)
+			if at == 2 {
+				require.Less(t, used, int64(total), "calls for %d bookings: none merged", total)
+			} else {
+				require.Equal(t, int64(total), used, "calls for %d bookings with merging only on a full pool", total)
+			}
+		})
+	}
+}
+
+// inFlight is a go-redis hook that keeps the most script calls it has
+// seen in flight at once.
+type inFlight struct{ now, most atomic.Int64 }
+
+func (h *inFlight) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *inFlight) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+func (h *inFlight) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if n := cmd.Name(); n != "evalsha" && n != "eval" {
+			return next(ctx, cmd)
+		}
+		n := h.now.Add(1)
+		for m := h.most.Load(); n > m && !h.most.CompareAndSwap(m, n); m = h.most.Load() {
+		}
+		defer h.now.Add(-1)
+		return next(ctx, cmd)
+	}
+}
+
+// TestMergeAtBoundsCallsInFlight: through a proxy that holds every reply
+// back 20 ms, 24 callers book single requests with WithMergeAt(3) and a
+// pool of 30: no more than three booking calls are ever in flight, and
+// every caller is answered.
+func TestMergeAtBoundsCallsInFlight(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Shared(t)
+	p := redistest.NewProxy(t, srv.Addr)
+	rdb := p.Client(t, srv, func(o *redis.Options) { o.PoolSize = 30 })
+	h := new(inFlight)
+	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(5*time.Second), throttle.WithMergeAt(3))
+	require.NoError(t, err)
+	require.NoError(t, eng.Load(context.Background()))
+	rdb.AddHook(h)
+	p.SetReplyDelay(20 * time.Millisecond)
+	var wg sync.WaitGroup
+	var booked atomic.Int64
+	for g := range 24 {
+		wg.Go(func() {
+			for i := range 5 {
+				b, err := eng.Book(context.Background(), fmt.Sprintf("f%d-%d", g, i), throttle.PerSecond(10, 0), throttle.Request{N: 1, MaxWait: throttle.Forever})
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if b.OK {
+					booked.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	require.Equal(t, int64(24*5), booked.Load(), "every booking on an idle key")
+	require.LessOrEqual(t, h.most.Load(), int64(3), "booking calls in flight at once")
+	require.Positive(t, h.most.Load())
+}
+
+// TestMergeAtRefusesBadCounts: a count below one is an error from New.
+func TestMergeAtRefusesBadCounts(t *testing.T) {
+	t.Parallel()
+	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", ContextTimeoutEnabled: true})
+	defer rdb.Close()
+	for _, k := range []int{0, -1} {
+		_, err := throttle.New(rdb, throttle.WithMergeAt(k))
+		require.Error(t, err, "WithMergeAt(%d)", k)
+	}
+	_, err := throttle.New(rdb, throttle.WithMergeAt(1))
+	require.NoError(t, err)
+}
