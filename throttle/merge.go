@@ -3,6 +3,7 @@ package throttle
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -111,6 +112,14 @@ func (m *merger) book(ctx context.Context, key string, limit Limit, req Request)
 	if a.lead {
 		a = m.lead(ctx, batch, it)
 	}
+	if a.alone && m.flight != nil {
+		// Sent again alone (its key could not be booked in the merged
+		// call), it flies as a booking alone does.
+		if err := m.board(ctx); err != nil {
+			return Booking{}, err, true, noCancel
+		}
+		return Booking{}, nil, false, m.land
+	}
 	return a.b, a.err, !a.alone, noCancel
 }
 
@@ -191,16 +200,33 @@ func (m *merger) lead(ctx context.Context, batch *mergeBatch, it *mergeItem) mer
 	items := batch.items
 	m.mu.Unlock()
 
+	// If sending panics (an Observer's panic, say), the batch's other
+	// requests get an error, the tokens come back (the deferred calls),
+	// and the panic goes on up the leader's stack.
+	answered := false
+	defer func() {
+		if answered {
+			return
+		}
+		p := recover()
+		for _, x := range items {
+			if x != it {
+				x.answer <- mergeAnswer{err: fmt.Errorf("merged call panicked: %v", p)}
+			}
+		}
+		panic(p)
+	}()
 	var answers []mergeAnswer
 	if err == nil {
+		defer t.release()
 		answers = m.send(ctx, t, items)
-		t.release()
 	} else { // the breaker is open: every request would have failed fast
 		answers = make([]mergeAnswer, len(items))
 		for i := range answers {
 			answers[i].err = err
 		}
 	}
+	answered = true
 	var own mergeAnswer
 	for i, x := range items {
 		if x == it {
