@@ -110,3 +110,55 @@ func TestMergeAtRefusesBadCounts(t *testing.T) {
 	_, err := throttle.New(rdb, throttle.WithMergeAt(1))
 	require.NoError(t, err)
 }
+
+// TestMergeAtAloneAgainStaysInBound: with WithMergeAt(1) and replies held
+// back 100 ms, a batch holding a corrupt key's booking is followed by
+// another batch; the corrupt key's booking, answered "alone" by its merged
+// call, is sent again alone only once it has the one flight token, so no
+// two booking calls are ever in flight at once.
+func TestMergeAtAloneAgainStaysInBound(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Shared(t)
+	p := redistest.NewProxy(t, srv.Addr)
+	rdb := p.Client(t, srv, func(o *redis.Options) { o.PoolSize = 10 })
+	prefix := redistest.Prefix(t)
+	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second), throttle.WithMergeAt(1))
+	require.NoError(t, err)
+	ctx := context.Background()
+	require.NoError(t, eng.Load(ctx))
+	direct := srv.Client(t)
+	h := new(inFlight)
+	rdb.AddHook(h)
+	p.SetReplyDelay(100 * time.Millisecond)
+	lim := throttle.PerSecond(10, 0)
+	book := func(key string) error {
+		_, err := eng.Book(ctx, key, lim, throttle.Request{N: 1, MaxWait: throttle.Forever})
+		return err
+	}
+	for round := range 3 {
+		key := func(k string) string { return fmt.Sprintf("%s-%d", k, round) }
+		require.NoError(t, direct.Set(ctx, prefix+key("corrupt"), "not a tat", time.Minute).Err())
+		var wg sync.WaitGroup
+		errs := make(chan error, 8)
+		wg.Go(func() { errs <- book(key("holder")) })
+		time.Sleep(30 * time.Millisecond) // the holder flies; the rest merge behind it
+		for _, k := range []string{"corrupt", "a", "b"} {
+			wg.Go(func() {
+				if err := book(key(k)); err != nil && k != "corrupt" {
+					errs <- err
+				}
+			})
+		}
+		// While the first batch is out, more bookings wait behind it.
+		time.Sleep(150 * time.Millisecond)
+		for _, k := range []string{"c", "d"} {
+			wg.Go(func() { errs <- book(key(k)) })
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			require.NoError(t, err)
+		}
+	}
+	require.Equal(t, int64(1), h.most.Load(), "booking calls in flight at once")
+}
