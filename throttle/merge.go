@@ -77,17 +77,17 @@ type mergeAnswer struct {
 // connection is busy or the most bookings that go alone are in flight;
 // merged reports whether it did. If not, the caller sends the request
 // alone and calls done once its call is over.
-func (m *merger) book(ctx context.Context, key string, limit Limit, req Request) (b Booking, err error, merged bool, done func()) {
+func (m *merger) book(ctx context.Context, key string, limit Limit, req Request) (b Booking, merged bool, done func(), err error) {
 	if nowArg(ctx) != "" || m.off.Load() {
-		return Booking{}, nil, false, noCancel // a test clock, or no merging here: alone
+		return Booking{}, false, noCancel, nil // a test clock, or no merging here: alone
 	}
 	if gate := m.e.fixed.gate; len(gate) < cap(gate) {
 		if m.flight == nil {
-			return Booking{}, nil, false, noCancel // a connection is free: alone
+			return Booking{}, false, noCancel, nil // a connection is free: alone
 		}
 		select {
 		case m.flight <- struct{}{}:
-			return Booking{}, nil, false, m.land // room in flight: alone
+			return Booking{}, false, m.land, nil // room in flight: alone
 		default: // enough bookings in flight: wait for one, with others
 		}
 	}
@@ -116,11 +116,11 @@ func (m *merger) book(ctx context.Context, key string, limit Limit, req Request)
 		// Sent again alone (its key could not be booked in the merged
 		// call), it flies as a booking alone does.
 		if err := m.board(ctx); err != nil {
-			return Booking{}, err, true, noCancel
+			return Booking{}, true, noCancel, err
 		}
-		return Booking{}, nil, false, m.land
+		return Booking{}, false, m.land, nil
 	}
-	return a.b, a.err, !a.alone, noCancel
+	return a.b, !a.alone, noCancel, a.err
 }
 
 // land gives back a flight token.

@@ -156,7 +156,7 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 		if err := checkRequest(reqs[0], limits[0]); err != nil {
 			return nil, err
 		}
-		b, err, merged, done := e.merge.book(ctx, keys[0], limits[0], reqs[0])
+		b, merged, done, err := e.merge.book(ctx, keys[0], limits[0], reqs[0])
 		if merged {
 			if err != nil {
 				return nil, fmt.Errorf("throttle: book %q: %w", keys[0], err)
