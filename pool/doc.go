@@ -20,8 +20,8 @@
 //     booking again unless few jobs are left booked: a backlog costs far
 //     fewer than one Redis call per job. Keys with backlog take turns; the
 //     batches of different keys are booked side by side (one batch per key
-//     at a time), and where every connection is busy their calls merge
-//     (throttle.WithMerging).
+//     at a time), and single bookings merge where every connection is
+//     busy or a few are already in flight (throttle.WithMergeAt).
 //   - Leases. With WithLease, a job also holds a lease of a
 //     lease.Semaphore for its key (at most N across every process): it
 //     takes the lease first, then books its slot alone (not in a batch),

@@ -404,7 +404,7 @@ func printTable(w io.Writer, results []contention.Result) {
 			perRequest(r), spacing(r.MeanSpacing, r), spacing(r.MinSpacing, r), maxWait)
 	}
 	tw.Flush()
-	fmt.Fprintln(w, "\nPublished figures, 20 clients at 10/s burst 5 for 3 s: retry 36 through for 648 calls; reservation 55 for 55.")
+	fmt.Fprintln(w, "\nPublished figures, 20 clients at 10/s burst 5 for 3 s: retry 36 through for 648 calls; reservation 55 for at most 55 (one call each, fewer where clients that start together merge).")
 }
 
 // perRequest is r's Redis calls per request through, or "-" if none went

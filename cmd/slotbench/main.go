@@ -448,7 +448,8 @@ func measureContention(ctx context.Context, ropts *redis.Options, run string, d 
 //
 // Uncoalesced callers are measured twice: as a default client runs them,
 // where the engine merges single bookings that find every connection busy
-// (throttle.WithMerging), and with merging off, one call per reservation.
+// or four bookings in flight (throttle.WithMerging, WithMergeAt), and with
+// merging off, one call per reservation.
 // Speedup, which the target judges, is against the latter: what coalescing
 // saves over calling Redis for each reservation.
 type CoalescingRow struct {

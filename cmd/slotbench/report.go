@@ -97,7 +97,7 @@ func (r *Report) judge() {
 		add("server CPU per reserve / redis_rate Allow's", v, "<= 0.8", v <= 0.8)
 	}
 	if c := r.mode("reserve"); c.Through > 0 {
-		add("contention: reservation calls per request", c.CallsPerRequest, "1.00", c.CallsPerRequest <= 1.0)
+		add("contention: reservation calls per request", c.CallsPerRequest, "<= 1.00", c.CallsPerRequest <= 1.0)
 	}
 	if c := r.mode("pool"); c.Through > 0 {
 		add("contention: pool calls per request", c.CallsPerRequest, "<= 0.10", c.CallsPerRequest <= 0.10)
@@ -167,7 +167,7 @@ func (r *Report) markdown() string {
 
 	c := r.Coalescing
 	p("\n## Coalescing\n\n64 goroutines reserving %d slots on one key under a limit never reached.\n\n", c.Reservations)
-	p("Uncoalesced callers run twice: as a default client runs them, where single bookings that find every connection busy are merged into shared calls (`throttle.WithMerging`), and with merging off, one call each; the target compares coalescing with the latter.\n\n")
+	p("Uncoalesced callers run twice: as a default client runs them, where single bookings that find every connection busy, or four bookings in flight, are merged into shared calls (`throttle.WithMerging`, `throttle.WithMergeAt`), and with merging off, one call each; the target compares coalescing with the latter.\n\n")
 	p("| | reservations/s | Redis calls/reservation | coalesced's reservations/s over this |\n|---|---:|---:|---:|\n")
 	p("| coalesced | %.0f | %.3f | |\n", c.CoalescedPerSec, c.CallsPerReservation)
 	p("| uncoalesced, merged | %.0f | %.3f | %.2f |\n", c.UncoalescedPerSec, c.UncoalescedCalls, c.CoalescedPerSec/c.UncoalescedPerSec)
