@@ -508,6 +508,14 @@ func (r *rmaRig) mixedOp(ctx context.Context, rng *rand.Rand, k *rmaKey, singles
 		// decision time) from a busy one (TAT + I; the decision time is
 		// not pinned down, and its unit stays out of the window check).
 		v, err := r.direct.Get(ctx, r.prefix+k.name).Int64()
+		if errors.Is(err, redis.Nil) {
+			// Expired since: the reply's 40 ms back and a busy machine can
+			// outlast a TAT one interval ahead. The key is idle now, and
+			// the Allow's decision time is not pinned down: its unit stays
+			// out of the window check.
+			k.tat = 0
+			return nil
+		}
 		if err != nil {
 			return err
 		}
