@@ -74,13 +74,14 @@ func errOf(r *reserve.Reservation) error {
 	return r.Err()
 }
 
-// TestCancelledInFlightGivesBackOnlyFutureSlots: a caller whose
-// context ends while its call is in flight (the reply held back 150 ms)
-// gets its context's error. Booked an immediate slot, its give-back makes
-// no Redis call and the room stays spent, as a refund would leave it;
-// booked a slot still to come, the refund is sent and the next booking
-// takes that slot (the coalescing path's give-back, for a caller alone).
-func TestCancelledInFlightGivesBackOnlyFutureSlots(t *testing.T) {
+// TestCancelledInFlightGivesBack: a caller whose context ends while its
+// call is in flight (the reply held back 150 ms) gets its context's error,
+// and its booking goes back (the coalescing path's give-back, for a caller
+// alone). Booked an immediate slot, which has come by the time the reply
+// is in, its room comes back all the same, since no one acted in it
+// (throttle's RefundUnused): the next booking is immediate too. Booked a
+// slot still to come, the next booking takes that slot.
+func TestCancelledInFlightGivesBack(t *testing.T) {
 	t.Parallel()
 	eng, p, prefix := proxiedEngine(t, 32)
 	calls := callcount.Attach(eng.Client().(*redis.Client))
@@ -120,11 +121,11 @@ func TestCancelledInFlightGivesBackOnlyFutureSlots(t *testing.T) {
 		r, n, err := inFlight("now", 1)
 		require.ErrorIs(t, err, context.Canceled)
 		require.Nil(t, r)
-		require.Equal(t, int64(1), n, "the booking only: an immediate slot's give-back makes no call")
-		// The room stays spent: the next slot is an interval away.
+		require.Equal(t, int64(2), n, "the booking and its refund")
+		// The room came back: the next slot is immediate too.
 		next, err := l.Reserve(ctx, "now")
 		require.NoError(t, err)
-		require.Positive(t, next.Booking().Wait)
+		require.Zero(t, next.Booking().Wait)
 	})
 
 	t.Run("future slot", func(t *testing.T) {

@@ -766,7 +766,7 @@ func (r *Reservation) giveBack(ctx context.Context) {
 	}
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
-	_ = r.Cancel(cctx)
+	_ = r.cancel(cctx, true)
 }
 
 // Cancel gives the slot back if it has not come yet, so others may use it.
@@ -788,7 +788,12 @@ func (r *Reservation) giveBack(ctx context.Context) {
 // Cancel returns an error (Redis unreachable, or its reply lost: errors.Is
 // throttle.ErrReplyLost), calling it again is safe: the engine gives a
 // booking back at most once.
-func (r *Reservation) Cancel(ctx context.Context) error {
+func (r *Reservation) Cancel(ctx context.Context) error { return r.cancel(ctx, false) }
+
+// cancel is Cancel; unused tells that the holder never acted on r (its
+// caller never had it, or gave up waiting for its slot), so that its
+// room comes back even if the slot has come (throttle's RefundUnused).
+func (r *Reservation) cancel(ctx context.Context, unused bool) error {
 	if r.view || (!r.OK() && !r.held) {
 		return nil
 	}
@@ -815,11 +820,15 @@ func (r *Reservation) Cancel(ctx context.Context) error {
 		r.canceled = true
 		return nil
 	}
-	if r.slotCome(ctx) {
+	refund := r.lim.eng.RefundAll
+	switch {
+	case unused:
+		refund = r.lim.eng.RefundUnused
+	case r.slotCome(ctx):
 		r.canceled = true // Redis would give nothing back: no call
 		return nil
 	}
-	if _, err := r.lim.eng.RefundAll(ctx, r.lim.keysOf(r.key), r.lim.limits, r.booking); err != nil {
+	if _, err := refund(ctx, r.lim.keysOf(r.key), r.lim.limits, r.booking); err != nil {
 		return err
 	}
 	r.canceled = true

@@ -260,6 +260,22 @@ func (e *Engine) Refund(ctx context.Context, key string, limit Limit, b Booking)
 // RefundAll is Refund for a booking made by BookAll: it gives back to each
 // limit, and returns the time given back to each.
 func (e *Engine) RefundAll(ctx context.Context, keys []string, limits []Limit, b Booking) ([]time.Duration, error) {
+	return e.refund(ctx, keys, limits, b, false)
+}
+
+// RefundUnused is RefundAll for a booking whose slot no one can use: its
+// holder never had it (the caller gave up before the answer reached it).
+// Its room comes back even once its slot has come, for as long as its
+// units still stand in front of the key and nothing booked after it
+// stands on them: nothing ran in it, so nothing is let through early.
+// Only the code that booked it can know that; a holder that may have
+// acted gives back with RefundAll.
+func (e *Engine) RefundUnused(ctx context.Context, keys []string, limits []Limit, b Booking) ([]time.Duration, error) {
+	return e.refund(ctx, keys, limits, b, true)
+}
+
+// refund is RefundAll, and RefundUnused if unused.
+func (e *Engine) refund(ctx context.Context, keys []string, limits []Limit, b Booking, unused bool) ([]time.Duration, error) {
 	if err := checkKeysLimits(keys, limits); err != nil {
 		return nil, err
 	}
@@ -269,7 +285,14 @@ func (e *Engine) RefundAll(ctx context.Context, keys []string, limits []Limit, b
 	if len(b.ends) != len(keys) || len(b.starts) != len(keys) {
 		return nil, fmt.Errorf("%w: booking of %d limits refunded to %d", ErrInvalidRequest, len(b.ends), len(keys))
 	}
-	args := []any{nowArg(ctx), b.now + int64(b.Wait/time.Microsecond)}
+	// refund.lua gives back until the instant it is given: the slot, or
+	// for an unused booking the latest of its ends, as long as its room
+	// lasts (the tombstone lives until then too).
+	until := b.now + int64(b.Wait/time.Microsecond)
+	if unused {
+		until = max(until, slices.Max(b.ends))
+	}
+	args := []any{nowArg(ctx), until}
 	for i := range limits {
 		args = append(args, b.starts[i], b.ends[i])
 	}
