@@ -178,7 +178,7 @@ func (c *call) finish() (*Reservation, error) {
 		return c.res, c.err
 	}
 	if c.res != nil && c.res.OK() {
-		c.res.giveBack(c.ctx)
+		c.res.giveBack(c.ctx, true) // the caller never had it
 	}
 	return nil, err
 }

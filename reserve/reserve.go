@@ -750,7 +750,9 @@ func (r *Reservation) Wait(ctx context.Context) error {
 		return r.err
 	}
 	if err := r.lim.clock.Sleep(ctx, r.Delay()); err != nil {
-		r.giveBack(ctx)
+		// Another Wait on r may have returned and its holder acted: a
+		// slot that has come stays spent.
+		r.giveBack(ctx, false)
 		return err
 	}
 	return nil
@@ -758,7 +760,9 @@ func (r *Reservation) Wait(ctx context.Context) error {
 
 // giveBack cancels r for a caller whose ctx has ended: on a context that
 // keeps ctx's values but not its end, so the refund still goes out.
-func (r *Reservation) giveBack(ctx context.Context) {
+// unused tells that no one can have acted on r (its caller never had it),
+// so that its room comes back even if its slot has come.
+func (r *Reservation) giveBack(ctx context.Context, unused bool) {
 	if r.late != nil && r.late.after != nil {
 		// The batch's own give-backs first (bounded by their second), so
 		// that this one's second is its own.
@@ -766,7 +770,7 @@ func (r *Reservation) giveBack(ctx context.Context) {
 	}
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
-	_ = r.cancel(cctx, true)
+	_ = r.cancel(cctx, unused)
 }
 
 // Cancel gives the slot back if it has not come yet, so others may use it.
@@ -790,9 +794,9 @@ func (r *Reservation) giveBack(ctx context.Context) {
 // booking back at most once.
 func (r *Reservation) Cancel(ctx context.Context) error { return r.cancel(ctx, false) }
 
-// cancel is Cancel; unused tells that the holder never acted on r (its
-// caller never had it, or gave up waiting for its slot), so that its
-// room comes back even if the slot has come (throttle's RefundUnused).
+// cancel is Cancel; unused tells that no one can have acted on r (its
+// caller never had it), so that its room comes back even if the slot has
+// come (throttle's RefundUnused).
 func (r *Reservation) cancel(ctx context.Context, unused bool) error {
 	if r.view || (!r.OK() && !r.held) {
 		return nil

@@ -287,7 +287,8 @@ func (e *Engine) refund(ctx context.Context, keys []string, limits []Limit, b Bo
 	}
 	// refund.lua gives back until the instant it is given: the slot, or
 	// for an unused booking the latest of its ends, as long as its room
-	// lasts (the tombstone lives until then too).
+	// lasts. Its tombstone lives until the latest of both either way, so
+	// that a booking given back once is never given back again.
 	until := b.now + int64(b.Wait/time.Microsecond)
 	if unused {
 		until = max(until, slices.Max(b.ends))

@@ -85,6 +85,8 @@ type vectorInput struct {
 		TatBefore []int64 `json:"tat_before"`
 		TatAfter  []int64 `json:"tat_after"`
 		ID        string  `json:"id"`
+		// Unused: given back as a booking no one acted on (RefundUnused).
+		Unused bool `json:"unused"`
 	} `json:"booking"`
 	PauseUS int64 `json:"pause_us"`
 	Window  *struct {
@@ -425,7 +427,11 @@ func runEngineVector(t *testing.T, srv *redistest.Server, v vector) {
 		require.NoError(t, err)
 		b := Booking{OK: true, N: bk.N, Wait: time.Duration(bk.WaitUS) * time.Microsecond,
 			now: bk.Now, starts: bk.TatBefore, ends: bk.TatAfter, id: id}
-		given, err := eng.RefundAll(ctx, in.Keys, in.limits(), b)
+		refund := eng.RefundAll
+		if bk.Unused {
+			refund = eng.RefundUnused
+		}
+		given, err := refund(ctx, in.Keys, in.limits(), b)
 		require.NoError(t, err)
 		for i, g := range given {
 			require.Equal(t, time.Duration(want[1+i])*time.Microsecond, g, "given back to key %d", i)

@@ -1,6 +1,6 @@
--- refund.lua: gives back a booking whose slot has not come, in each of its
--- limits, at most once, and only where that cannot let anything through
--- early:
+-- refund.lua: gives back a booking whose slot has not come (or, for one no
+-- one acted on, whose units still stand), in each of its limits, at most
+-- once, and only where that cannot let anything through early:
 --
 --  - A key goes back only while its TAT still equals the booking's end:
 --    nothing booked after it still stands on it. It goes back exactly to
@@ -13,13 +13,18 @@
 --  - A pause (block.lua) moves the TAT off every earlier booking's end, so
 --    no refund reaches below a pause's end.
 --  - The first refund of a booking leaves a tombstone, a key named after
---    the booking's id that lives until its slot, and a refund that finds it
---    gives nothing: a refund retried after a lost reply cannot give back a
---    later booking that happens to end where this one did.
+--    the booking's id that lives until the latest of its slot and its ends,
+--    and a refund that finds it gives nothing: a refund retried after a
+--    lost reply cannot give back a later booking that happens to end where
+--    this one did, even a refund of a booking no one used, which stays
+--    live past its slot (see ARGV[2]).
+--  - A key whose end has passed gives nothing and is not written.
 --
 -- KEYS      the booking's m keys, then its tombstone key (same hash tag)
 -- ARGV[1]   "" to read the clock with TIME; a microsecond count in tests (clock.lua)
--- ARGV[2]   the booking's slot (microseconds on the Redis clock)
+-- ARGV[2]   the instant until which the booking may come back: its slot
+--           (microseconds on the Redis clock), or for a booking no one
+--           acted on, the latest of its ends
 -- ARGV[3..] per key, a pair: the TAT just before the booking and just after
 --
 -- Returns {now, given_1 .. given_m}: microseconds given back per key.
@@ -30,13 +35,17 @@ local slot = tonumber(ARGV[2])
 local out = {now}
 local live = slot > now and redis.call('EXISTS', KEYS[m + 1]) == 0
 if live then
-  redis.call('SET', KEYS[m + 1], '1', 'PX', px(slot, now, hold))
+  local last = slot
+  for i = 1, m do
+    last = math.max(last, tonumber(ARGV[2 + 2 * i]))
+  end
+  redis.call('SET', KEYS[m + 1], '1', 'PX', px(last, now, hold))
 end
 for i = 1, m do
   local give = 0
   if live then
     local before, after = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
-    if stored(KEYS[i], now) == after then
+    if after > now and stored(KEYS[i], now) == after then
       give = after - math.max(before, now)
       if before > now then
         redis.call('SET', KEYS[i], string.format('%d', before), 'PX', px(before, now, hold))
