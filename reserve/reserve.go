@@ -545,7 +545,9 @@ func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 		defer cancel()
 		for _, b := range late {
-			_, _ = l.eng.RefundAll(cctx, l.keysOf(key), l.limits, b)
+			// Refused, never anyone's: its room comes back even if its
+			// slot has come by now.
+			_, _ = l.eng.RefundUnused(cctx, l.keysOf(key), l.limits, b)
 		}
 	}
 	if after == nil {
@@ -841,7 +843,7 @@ func (r *Reservation) cancel(ctx context.Context, unused bool) error {
 	// lost reply loses that room until its slot passes).
 	if r.late != nil {
 		for _, b := range r.late.below {
-			_, _ = r.lim.eng.RefundAll(ctx, r.lim.keysOf(r.key), r.lim.limits, b)
+			_, _ = r.lim.eng.RefundUnused(ctx, r.lim.keysOf(r.key), r.lim.limits, b)
 		}
 	}
 	return nil

@@ -264,12 +264,15 @@ func (e *Engine) RefundAll(ctx context.Context, keys []string, limits []Limit, b
 }
 
 // RefundUnused is RefundAll for a booking whose slot no one can use: its
-// holder never had it (the caller gave up before the answer reached it).
-// Its room comes back even once its slot has come, for as long as its
-// units still stand in front of the key and nothing booked after it
-// stands on them: nothing ran in it, so nothing is let through early.
-// Only the code that booked it can know that; a holder that may have
-// acted gives back with RefundAll.
+// holder never had it (the caller gave up before the answer reached it,
+// or was told it was refused). Its room comes back even once its slot has
+// come, for as long as its units still stand in front of the key and
+// nothing booked after it stands on them: nothing ran in it, so nothing
+// is let through early. Only the code that booked it can know that; a
+// holder that may have acted gives back with RefundAll. A booking must
+// be given back one way only: RefundAll's mark that it was given back
+// lasts until its slot, so a RefundUnused of the same booking after that
+// slot could give back a later booking's room.
 func (e *Engine) RefundUnused(ctx context.Context, keys []string, limits []Limit, b Booking) ([]time.Duration, error) {
 	return e.refund(ctx, keys, limits, b, true)
 }
@@ -285,10 +288,9 @@ func (e *Engine) refund(ctx context.Context, keys []string, limits []Limit, b Bo
 	if len(b.ends) != len(keys) || len(b.starts) != len(keys) {
 		return nil, fmt.Errorf("%w: booking of %d limits refunded to %d", ErrInvalidRequest, len(b.ends), len(keys))
 	}
-	// refund.lua gives back until the instant it is given: the slot, or
-	// for an unused booking the latest of its ends, as long as its room
-	// lasts. Its tombstone lives until the latest of both either way, so
-	// that a booking given back once is never given back again.
+	// refund.lua gives back until the instant it is given, and its
+	// tombstone lives until then: the slot, or for an unused booking the
+	// latest of its ends, as long as its room lasts.
 	until := b.now + int64(b.Wait/time.Microsecond)
 	if unused {
 		until = max(until, slices.Max(b.ends))

