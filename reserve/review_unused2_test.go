@@ -108,18 +108,7 @@ func TestReviewUnused2LateAndEndedCallersRandom(t *testing.T) {
 				if co {
 					reserve.SetSoloBelow(rg.viaP, 1) // callers queue behind a call out: batches
 				}
-				stop := make(chan struct{})
-				go func() {
-					for {
-						select {
-						case <-stop:
-							rg.p.SetReplyDelay(0)
-							return
-						case <-time.After(15 * time.Millisecond):
-							rg.p.SetReplyDelay(time.Duration(rand.IntN(30)) * time.Millisecond)
-						}
-					}
-				}()
+				stop := rg.jitter(15 * time.Millisecond)
 				var (
 					mu  sync.Mutex
 					ran []rmaSlot
@@ -186,7 +175,7 @@ func TestReviewUnused2LateAndEndedCallersRandom(t *testing.T) {
 					})
 				}
 				wg.Wait()
-				close(stop)
+				stop()
 				t.Logf("%d callers acted", len(ran))
 				for _, l := range lims {
 					rmaArrivalCurve(t, l, ran, l.String())

@@ -31,6 +31,28 @@ type ruRig struct {
 	direct *reserve.Limiter
 }
 
+// jitter holds every reply back 0 to 30 ms, a new delay drawn every
+// period, until the returned stop is called, which lets replies through
+// at once again.
+func (rg ruRig) jitter(every time.Duration) (stop func()) {
+	done := make(chan struct{})
+	ended := make(chan struct{})
+	go func() {
+		defer close(ended)
+		for {
+			select {
+			case <-done:
+				rg.p.SetReplyDelay(0)
+				return
+			case <-time.After(every):
+				rg.p.SetReplyDelay(time.Duration(rand.IntN(30)) * time.Millisecond)
+			}
+		}
+	}()
+	var once sync.Once
+	return func() { once.Do(func() { close(done); <-ended }) }
+}
+
 func ruNew(t *testing.T, lim throttle.Limit, opts ...reserve.Option) ruRig {
 	t.Helper()
 	srv := redistest.Shared(t)
@@ -139,18 +161,7 @@ func TestReviewUnusedRandomCancels(t *testing.T) {
 					opts = append(opts, reserve.WithLimit(lims[1]))
 				}
 				rg := ruNew(t, lims[0], opts...)
-				stop := make(chan struct{})
-				go func() {
-					for {
-						select {
-						case <-stop:
-							rg.p.SetReplyDelay(0)
-							return
-						case <-time.After(20 * time.Millisecond):
-							rg.p.SetReplyDelay(time.Duration(rand.IntN(30)) * time.Millisecond)
-						}
-					}
-				}()
+				stop := rg.jitter(20 * time.Millisecond)
 				var (
 					mu  sync.Mutex
 					ran []rmaSlot
@@ -183,7 +194,7 @@ func TestReviewUnusedRandomCancels(t *testing.T) {
 					})
 				}
 				wg.Wait()
-				close(stop)
+				stop()
 				t.Logf("%d callers acted", len(ran))
 				for _, l := range lims {
 					rmaArrivalCurve(t, l, ran, l.String())
