@@ -96,6 +96,9 @@
 // go out in one call, each judged as it would be alone. Redis runs one
 // command at a time, so calls beyond a few in flight would only queue
 // there, each paying its own round of work in the client and the server.
+// The wait for one of the four is short (WithMergeWait, 250µs by default):
+// if none has come back by then, Redis is far away and the calls in flight
+// are on the wire, so the batch goes out beside them.
 // That call is one call for the breaker and the timeout, and for the
 // Observer one for each limiter name among its keys (ObserveCall); each
 // booking's error is the call's: a lost reply is ErrReplyLost for every

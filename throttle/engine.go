@@ -118,8 +118,9 @@ type Engine struct {
 	// merge gathers single bookings that find every connection busy into
 	// one call (nil where it is not used: see merger).
 	merge     *merger
-	noMerging bool // WithMerging(false)
-	mergeAt   int  // WithMergeAt; 0 until New sets the default
+	noMerging bool          // WithMerging(false)
+	mergeAt   int           // WithMergeAt; 0 until New sets the default
+	mergeWait time.Duration // WithMergeWait; 0 until New sets the default
 }
 
 // unreadNode names the pseudo-node of a Cluster whose slot map cannot be
@@ -289,15 +290,44 @@ const defaultMergeAt = 4
 // come back, with the other bookings that arrive meanwhile, and they go
 // out in one call. Redis runs one command at a time, so calls beyond a
 // few in flight only queue there, each costing a round of the client's
-// and the server's work; merged, they share one. The default is 4; a
-// count at or above the client's pool size merges only when every
-// connection is busy. It has no effect where merging is off.
+// and the server's work; merged, they share one. The wait is short
+// (WithMergeWait): where Redis is far away, the calls in flight are on
+// the wire rather than queued in Redis, and a batch that waited a whole
+// round trip for one of them would double its callers' latency; it goes
+// without waiting further. The default is 4; a count at or above the
+// client's pool size merges only when every connection is busy. It has
+// no effect where merging is off.
 func WithMergeAt(inFlight int) Option {
 	return func(e *Engine) error {
 		if inFlight < 1 {
 			return fmt.Errorf("throttle: WithMergeAt(%d): want at least 1", inFlight)
 		}
 		e.mergeAt = inFlight
+		return nil
+	}
+}
+
+// defaultMergeWait is WithMergeWait's default: longer than a call takes
+// in Redis on loopback or in one data centre's network, when Redis is
+// the bottleneck, and far shorter than a round trip to a Redis further
+// away.
+const defaultMergeWait = 250 * time.Microsecond
+
+// WithMergeWait sets how long a batch of merged bookings that found
+// WithMergeAt's count in flight waits for one of those calls to come back
+// (default 250µs). If none has come back by then, the batch goes out
+// anyway, in a call beyond the count: so a booking waits at most d longer
+// than it would alone (and its call's round trip), and the calls beyond
+// the count are at most one batch per d. Forever holds the count strictly:
+// batches wait as long as it takes, for a Redis whose CPU is the
+// bottleneck and which is so near that its round trip costs little. A
+// booking's own context still bounds its wait (see the package doc).
+func WithMergeWait(d time.Duration) Option {
+	return func(e *Engine) error {
+		if d <= 0 {
+			return fmt.Errorf("throttle: WithMergeWait(%v): want a positive wait", d)
+		}
+		e.mergeWait = d
 		return nil
 	}
 }
@@ -366,7 +396,7 @@ func New(rdb redis.Scripter, opts ...Option) (*Engine, error) {
 	} else {
 		e.fixed = e.ref(e.addr)
 		if e.fixed.gate != nil && e.timeout > 0 && !e.noMerging {
-			e.merge = &merger{e: e}
+			e.merge = &merger{e: e, wait: cmp.Or(e.mergeWait, defaultMergeWait)}
 			if k := cmp.Or(e.mergeAt, defaultMergeAt); k < cap(e.fixed.gate) {
 				e.merge.flight = make(chan struct{}, k)
 			}

@@ -28,8 +28,9 @@ const maxMerge = 64
 // (BenchmarkBook1Pipelining). A booking that finds room goes alone; so
 // does every other call.
 //
-// The first request of a batch leads it: it waits for a flight token and
-// the connection (bounded by its context's wait, see waitbound), takes the
+// The first request of a batch leads it: it waits for a flight token (at
+// most the engine's WithMergeWait, then it goes without one) and the
+// connection (bounded by its context's wait, see waitbound), takes the
 // batch and sends it. Until then the batch takes more requests (up to
 // maxMerge), and a request whose wait ends leaves it, nothing sent; if
 // that was the leader, the next request leads. Once taken, a request's answer comes
@@ -42,8 +43,10 @@ type merger struct {
 	e   *Engine
 	off atomic.Bool // set once the server refused a merged call's keys as not one slot's
 	// flight holds a token for each single booking and merged call in
-	// flight (WithMergeAt), nil where only a full pool merges.
+	// flight (WithMergeAt), nil where only a full pool merges; a batch
+	// that waited wait (WithMergeWait) for one goes without.
 	flight chan struct{}
+	wait   time.Duration
 	mu     sync.Mutex  // guards open, and each batch's items and taken
 	open   *mergeBatch // the batch taking requests, if any
 }
@@ -115,10 +118,11 @@ func (m *merger) book(ctx context.Context, key string, limit Limit, req Request)
 	if a.alone && m.flight != nil {
 		// Sent again alone (its key could not be booked in the merged
 		// call), it flies as a booking alone does.
-		if err := m.board(ctx); err != nil {
+		land, err := m.board(ctx)
+		if err != nil {
 			return Booking{}, true, noCancel, err
 		}
-		return Booking{}, false, m.land, nil
+		return Booking{}, false, land, nil
 	}
 	return a.b, !a.alone, noCancel, a.err
 }
@@ -174,13 +178,14 @@ func (m *merger) leaveLocked(batch *mergeBatch, it *mergeItem) {
 func (m *merger) lead(ctx context.Context, batch *mergeBatch, it *mergeItem) mergeAnswer {
 	e := m.e
 	if m.flight != nil {
-		if err := m.board(ctx); err != nil {
+		land, err := m.board(ctx)
+		if err != nil {
 			m.mu.Lock()
 			m.leaveLocked(batch, it)
 			m.mu.Unlock()
 			return mergeAnswer{err: err}
 		}
-		defer m.land()
+		defer land()
 	}
 	t, err := e.take(ctx, e.prefix+it.key, label(it.key))
 	m.mu.Lock()
@@ -238,19 +243,30 @@ func (m *merger) lead(ctx context.Context, batch *mergeBatch, it *mergeItem) mer
 	return own
 }
 
-// board waits for a flight token, bounded by ctx's wait (see waitbound).
-func (m *merger) board(ctx context.Context) error {
+// board waits for a flight token, at most m.wait and bounded by ctx's
+// wait (see waitbound), and returns what gives it back: m.land, or
+// noCancel if the wait ran out first and the call goes without one (far
+// from Redis, the calls in flight are on the wire, not queued in Redis).
+func (m *merger) board(ctx context.Context) (land func(), err error) {
 	select {
 	case m.flight <- struct{}{}:
-		return nil
+		return m.land, nil
 	default:
+	}
+	var out <-chan time.Time
+	if m.wait < Forever {
+		t := time.NewTimer(m.wait)
+		defer t.Stop()
+		out = t.C
 	}
 	wctx := waitbound.Of(ctx)
 	select {
 	case m.flight <- struct{}{}:
-		return nil
+		return m.land, nil
+	case <-out:
+		return noCancel, nil
 	case <-wctx.Done():
-		return wctx.Err()
+		return nil, wctx.Err()
 	}
 }
 

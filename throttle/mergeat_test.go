@@ -62,16 +62,17 @@ func (h *inFlight) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 }
 
 // TestMergeAtBoundsCallsInFlight: through a proxy that holds every reply
-// back 20 ms, 24 callers book single requests with WithMergeAt(3) and a
-// pool of 30: no more than three booking calls are ever in flight, and
-// every caller is answered.
+// back 20 ms, 24 callers book single requests with WithMergeAt(3),
+// WithMergeWait(Forever) (batches wait for a flight token however long it
+// takes) and a pool of 30: no more than three booking calls are ever in
+// flight, and every caller is answered.
 func TestMergeAtBoundsCallsInFlight(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Shared(t)
 	p := redistest.NewProxy(t, srv.Addr)
 	rdb := p.Client(t, srv, func(o *redis.Options) { o.PoolSize = 30 })
 	h := new(inFlight)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(5*time.Second), throttle.WithMergeAt(3))
+	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(5*time.Second), throttle.WithMergeAt(3), throttle.WithMergeWait(throttle.Forever))
 	require.NoError(t, err)
 	require.NoError(t, eng.Load(context.Background()))
 	rdb.AddHook(h)
@@ -98,7 +99,8 @@ func TestMergeAtBoundsCallsInFlight(t *testing.T) {
 	require.Positive(t, h.most.Load())
 }
 
-// TestMergeAtRefusesBadCounts: a count below one is an error from New.
+// TestMergeAtRefusesBadCounts: a count below one, and a merge wait that is
+// not positive, are errors from New.
 func TestMergeAtRefusesBadCounts(t *testing.T) {
 	t.Parallel()
 	rdb := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", ContextTimeoutEnabled: true})
@@ -107,12 +109,16 @@ func TestMergeAtRefusesBadCounts(t *testing.T) {
 		_, err := throttle.New(rdb, throttle.WithMergeAt(k))
 		require.Error(t, err, "WithMergeAt(%d)", k)
 	}
-	_, err := throttle.New(rdb, throttle.WithMergeAt(1))
+	for _, d := range []time.Duration{0, -time.Millisecond} {
+		_, err := throttle.New(rdb, throttle.WithMergeWait(d))
+		require.Error(t, err, "WithMergeWait(%v)", d)
+	}
+	_, err := throttle.New(rdb, throttle.WithMergeAt(1), throttle.WithMergeWait(time.Nanosecond))
 	require.NoError(t, err)
 }
 
-// TestMergeAtAloneAgainStaysInBound: with WithMergeAt(1) and replies held
-// back 100 ms, a batch holding a corrupt key's booking is followed by
+// TestMergeAtAloneAgainStaysInBound: with WithMergeAt(1),
+// WithMergeWait(Forever) and replies held back 100 ms, a batch holding a corrupt key's booking is followed by
 // another batch; the corrupt key's booking, answered "alone" by its merged
 // call, is sent again alone only once it has the one flight token, so no
 // two booking calls are ever in flight at once.
@@ -122,7 +128,7 @@ func TestMergeAtAloneAgainStaysInBound(t *testing.T) {
 	p := redistest.NewProxy(t, srv.Addr)
 	rdb := p.Client(t, srv, func(o *redis.Options) { o.PoolSize = 10 })
 	prefix := redistest.Prefix(t)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second), throttle.WithMergeAt(1))
+	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second), throttle.WithMergeAt(1), throttle.WithMergeWait(throttle.Forever))
 	require.NoError(t, err)
 	ctx := context.Background()
 	require.NoError(t, eng.Load(ctx))

@@ -2,13 +2,15 @@ package throttle_test
 
 // Review of WithMergeAt (at most k single bookings and merged calls in
 // flight per engine; the others merge) through the public API, on its
-// side paths: callers leaving while a batch waits for a flight token,
-// lost replies, Redis stopped, a mixed load at 40 ms each way checked
-// against a textbook GCRA of its own, the option's corners, and an
-// Observer that panics inside a merged call. Whether the flight tokens all
-// came back is seen from outside: k concurrent bookings through a proxy
-// that holds replies back must all be in flight at once (a lost token
-// holds the k-th back until another call lands).
+// side paths, most with WithMergeWait(Forever), so that the count holds
+// strictly and a batch waits behind the calls in flight: callers leaving
+// while a batch waits for a flight token, lost replies, Redis stopped, a
+// mixed load at 40 ms each way (the default wait) checked against a
+// textbook GCRA of its own, the option's corners, and an Observer that
+// panics inside a merged call. Whether the flight tokens all came back is
+// seen from outside: k concurrent bookings through a proxy that holds
+// replies back must all be in flight at once (a lost token holds the k-th
+// back until another call lands).
 
 import (
 	"context"
@@ -140,9 +142,9 @@ func waitAll(t *testing.T, wg *sync.WaitGroup, d time.Duration, what string) {
 	}
 }
 
-// TestReviewMergeAtLeaveWhileBoarding: with WithMergeAt(2) and a pool of 6
-// (connections free), two lone bookings hold both flight tokens while
-// their replies are held back 500 ms; a batch forms behind them, whose
+// TestReviewMergeAtLeaveWhileBoarding: with WithMergeAt(2),
+// WithMergeWait(Forever) and a pool of 6 (connections free), two lone
+// bookings hold both flight tokens while their replies are held back 500 ms; a batch forms behind them, whose
 // leader waits for a flight token. Callers of the batch leave while it
 // waits (by deadline or cancel; the leader first, a follower first, or
 // every one of them): each gets its context's error, not a lost reply,
@@ -166,7 +168,7 @@ func TestReviewMergeAtLeaveWhileBoarding(t *testing.T) {
 	srv := redistest.Start(t)
 	for name, callers := range cases {
 		t.Run(name, func(t *testing.T) {
-			r := rmaEngine(t, srv, 6, 500*time.Millisecond, throttle.WithMergeAt(2))
+			r := rmaEngine(t, srv, 6, 500*time.Millisecond, throttle.WithMergeAt(2), throttle.WithMergeWait(throttle.Forever))
 			var hold sync.WaitGroup
 			holdErrs := make([]error, 2)
 			for i := range 2 {
@@ -220,14 +222,14 @@ func TestReviewMergeAtLeaveWhileBoarding(t *testing.T) {
 	}
 }
 
-// TestReviewMergeAtRepliesLost: WithMergeAt(2), pool 6, an engine timeout
+// TestReviewMergeAtRepliesLost: WithMergeAt(2), WithMergeWait(Forever), pool 6, an engine timeout
 // of 600 ms, replies held back 1.2 s. Two lone bookings and a batch of
 // four behind them all fail (a lost reply, or ErrUnavailable once the
 // breaker opened), none hangs; once replies come in time again, bookings
 // succeed, and two at once both go out at once.
 func TestReviewMergeAtRepliesLost(t *testing.T) {
 	t.Parallel()
-	r := rmaEngine(t, redistest.Start(t), 6, 1200*time.Millisecond, throttle.WithMergeAt(2), throttle.WithTimeout(600*time.Millisecond),
+	r := rmaEngine(t, redistest.Start(t), 6, 1200*time.Millisecond, throttle.WithMergeAt(2), throttle.WithMergeWait(throttle.Forever), throttle.WithTimeout(600*time.Millisecond),
 		throttle.WithProbeBackoff(50*time.Millisecond, 200*time.Millisecond))
 	var wg sync.WaitGroup
 	errs := make([]error, 6)
@@ -260,14 +262,14 @@ func TestReviewMergeAtRepliesLost(t *testing.T) {
 }
 
 // TestReviewMergeAtRedisStopped: Redis stops while two lone bookings hold
-// the flight tokens (WithMergeAt(2), pool 6) and a batch waits behind
+// the flight tokens (WithMergeAt(2), WithMergeWait(Forever), pool 6) and a batch waits behind
 // them: every caller gets ErrUnavailable, none hangs; the breaker is open,
 // so the next bookings fail without a call; once Redis is back they
 // succeed, and two at once both go out at once.
 func TestReviewMergeAtRedisStopped(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Start(t)
-	r := rmaEngine(t, srv, 6, 300*time.Millisecond, throttle.WithMergeAt(2),
+	r := rmaEngine(t, srv, 6, 300*time.Millisecond, throttle.WithMergeAt(2), throttle.WithMergeWait(throttle.Forever),
 		throttle.WithProbeBackoff(50*time.Millisecond, 200*time.Millisecond))
 	var wg sync.WaitGroup
 	errs := make([]error, 6)
@@ -590,8 +592,8 @@ func requireWithinLimit(t *testing.T, k *rmaKey) {
 }
 
 // TestReviewMergeAtCorners: through a proxy holding replies back 250 ms,
-// six single bookings at once with a pool of 6: WithMergeAt(1) lets one
-// call out at a time (and merges); WithMergeAt(8), above the pool, and
+// six single bookings at once with a pool of 6: WithMergeAt(1) with
+// WithMergeWait(Forever) lets one call out at a time (and merges); WithMergeAt(8), above the pool, and
 // WithMerging(false) with WithMergeAt(2) and a test clock with
 // WithMergeAt(2) send six calls, all at once. Every booking is booked.
 func TestReviewMergeAtCorners(t *testing.T) {
@@ -605,7 +607,7 @@ func TestReviewMergeAtCorners(t *testing.T) {
 		allAlone bool
 	}
 	corners := map[string]corner{
-		"at1":            {opts: []throttle.Option{throttle.WithMergeAt(1)}, maxPeak: 1, minPeak: 1},
+		"at1":            {opts: []throttle.Option{throttle.WithMergeAt(1), throttle.WithMergeWait(throttle.Forever)}, maxPeak: 1, minPeak: 1},
 		"abovePool":      {opts: []throttle.Option{throttle.WithMergeAt(8)}, maxPeak: 6, minPeak: 5, allAlone: true},
 		"mergingOff":     {opts: []throttle.Option{throttle.WithMerging(false), throttle.WithMergeAt(2)}, maxPeak: 6, minPeak: 5, allAlone: true},
 		"testClockAlone": {opts: []throttle.Option{throttle.WithMergeAt(2)}, clock: true, maxPeak: 6, minPeak: 5, allAlone: true},
@@ -716,8 +718,8 @@ func (p *panicky) ObserveCall(limiter string, _ time.Duration, _ error) {
 func (*panicky) ObserveRefund(string, time.Duration) {}
 func (*panicky) ObserveBreaker(bool)                 {}
 
-// TestReviewMergeAtObserverPanics: WithMergeAt(1), a pool of 4, replies
-// held back 250 ms. A lone booking on "calm" holds the flight token; three
+// TestReviewMergeAtObserverPanics: WithMergeAt(1) and WithMergeWait(Forever),
+// a pool of 4, replies held back 250 ms. A lone booking on "calm" holds the flight token; three
 // bookings on "boom:*" merge behind it, and the Observer panics in their
 // merged call. The panic goes up the leader's stack (the caller recovers
 // it); the batch's other callers must get an error rather than wait for
@@ -728,7 +730,7 @@ func (*panicky) ObserveBreaker(bool)                 {}
 func TestReviewMergeAtObserverPanics(t *testing.T) {
 	t.Parallel()
 	obs := new(panicky)
-	r := rmaEngine(t, redistest.Start(t), 4, 250*time.Millisecond, throttle.WithMergeAt(1), throttle.WithObserver(obs))
+	r := rmaEngine(t, redistest.Start(t), 4, 250*time.Millisecond, throttle.WithMergeAt(1), throttle.WithMergeWait(throttle.Forever), throttle.WithObserver(obs))
 	obs.armed.Store(true)
 	var hold sync.WaitGroup
 	hold.Go(func() {
