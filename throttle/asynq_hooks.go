@@ -158,19 +158,24 @@ func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, r
 	if err != nil {
 		return RetryBooking{}, fmt.Errorf("throttle: book retry %q: %w", keys[0], err)
 	}
+	// A reply that came but cannot be read: the script ran, and may have
+	// booked.
+	unread := func(format string, a ...any) (RetryBooking, error) {
+		return RetryBooking{}, fmt.Errorf("throttle: book retry %q: %w", keys[0], unreadable(fmt.Errorf(format, a...)))
+	}
 	arr, ok := reply.([]any)
 	if !ok || len(arr) < 4 {
-		return RetryBooking{}, fmt.Errorf("throttle: book retry %q: unexpected reply %T", keys[0], reply)
+		return unread("unexpected reply %T", reply)
 	}
 	ints, err := int64s(arr[:3], 3)
 	if err != nil {
-		return RetryBooking{}, fmt.Errorf("throttle: book retry %q: %w", keys[0], err)
+		return unread("%w", err)
 	}
 	now, status, wait := ints[0], ints[1], ints[2]
 	out := RetryBooking{Now: time.UnixMicro(now)}
 	due, ok := arr[len(arr)-1].([]any)
 	if !ok || len(due)%2 != 0 {
-		return RetryBooking{}, fmt.Errorf("throttle: book retry %q: unexpected due list %T", keys[0], arr[len(arr)-1])
+		return unread("unexpected due list %T", arr[len(arr)-1])
 	}
 	out.Due = make(map[string]time.Time, len(due)/2)
 	for i := 0; i < len(due); i += 2 {
@@ -178,7 +183,7 @@ func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, r
 		score, ok2 := due[i+1].(string)
 		at, err := strconv.ParseInt(score, 10, 64)
 		if !ok1 || !ok2 || err != nil {
-			return RetryBooking{}, fmt.Errorf("throttle: book retry %q: unexpected due entry %v %v", keys[0], due[i], due[i+1])
+			return unread("unexpected due entry %v %v", due[i], due[i+1])
 		}
 		out.Due[member] = time.UnixMicro(at)
 	}
@@ -190,7 +195,7 @@ func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, r
 	}
 	tats, err := int64s(arr[3:len(arr)-1], m)
 	if err != nil {
-		return RetryBooking{}, fmt.Errorf("throttle: book retry %q: %w", keys[0], err)
+		return unread("%w", err)
 	}
 	b := Booking{OK: status != 0, N: req.N, Wait: time.Duration(wait) * time.Microsecond, At: time.UnixMicro(now + wait),
 		now: now, starts: tats, ends: tats}

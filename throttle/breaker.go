@@ -288,7 +288,10 @@ func (bs *breakers) retire(stale func(node string) bool) (retired []string) {
 // reply may have booked slots nobody will use (quota wasted, never
 // exceeded); a lost refund reply may have given the booking back (retrying
 // the refund is safe: refunds are idempotent). An error that matches
-// ErrUnavailable without ErrReplyLost means nothing reached Redis.
+// ErrUnavailable without ErrReplyLost means nothing reached Redis. A reply
+// that came but cannot be read (not what the script answers: a proxy that
+// mangled it, say) matches ErrReplyLost alone: the script ran, and Redis is
+// not counted as down.
 var ErrReplyLost = errors.New("throttle: reply lost, the call may have taken effect")
 
 // ErrCorruptState is matched by errors for a key that holds a value the

@@ -62,6 +62,8 @@
 //	configuration or data     NOAUTH, WRONGPASS, NOPERM,           Redis's error as is  stays closed
 //	                          WRONGTYPE, ErrCorruptState, any
 //	                          other error reply
+//	reply unreadable          a reply that came but is not what    ErrReplyLost         stays closed
+//	                          the script answers: it ran
 //
 // A fallback (package reserve) answers only for ErrUnavailable: a wrong
 // password or a missing ACL permission is a mistake to fix, not an outage

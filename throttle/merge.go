@@ -300,6 +300,7 @@ func (m *merger) send(ctx context.Context, t turn, items []*mergeItem) []mergeAn
 	if err == nil {
 		// Room after the reply's values for each booking's end.
 		vals, err = int64sCap(reply, 1+2*k, k)
+		err = unreadable(err)
 	}
 	if err != nil {
 		alone, off := refusedBeforeRun(err)

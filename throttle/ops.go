@@ -211,19 +211,20 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 	// requests were booked}; book1.lua answers a string that book1Vals
 	// reads into the same values. judge works out the rest.
 	reply, err := e.runCmd(ctx, script, keys, args)
-	var vals []int64
-	switch {
-	case err != nil:
-	case script == book1Script:
-		vals, err = book1Vals(reply)
-	default:
-		// Room after the reply's values for every booking's ends: one
-		// allocation for both.
-		vals, err = int64sCap(reply, 1+m+runs, m*len(reqs))
-	}
 	var out []Booking
 	if err == nil {
-		out, err = judge(vals, limits, reqs)
+		var vals []int64
+		if script == book1Script {
+			vals, err = book1Vals(reply)
+		} else {
+			// Room after the reply's values for every booking's ends: one
+			// allocation for both.
+			vals, err = int64sCap(reply, 1+m+runs, m*len(reqs))
+		}
+		if err == nil {
+			out, err = judge(vals, limits, reqs)
+		}
+		err = unreadable(err)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("throttle: book %q: %w", keys[0], err)
@@ -352,7 +353,17 @@ func (e *Engine) run(ctx context.Context, s *script, keys []string, args []any, 
 	if err != nil {
 		return nil, err
 	}
-	return int64s(reply, want)
+	vals, err := int64s(reply, want)
+	return vals, unreadable(err)
+}
+
+// unreadable marks err, if not nil, as a reply that came but could not be
+// read: the script ran, so it may have taken effect (ErrReplyLost).
+func unreadable(err error) error {
+	if err == nil {
+		return nil
+	}
+	return fmt.Errorf("%w: %w", ErrReplyLost, err)
 }
 
 // runReply runs s on the prefixed keys through the breaker of the Redis
