@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"strconv"
@@ -56,7 +57,7 @@ func (e *Engine) AllowAll(ctx context.Context, keys []string, limits []Limit, n 
 		return Result{}, err
 	}
 	b := bs[0]
-	r := Result{Allowed: b.OK, Remaining: MaxBatch}
+	r := Result{Allowed: b.OK, Remaining: math.MaxInt}
 	for i, l := range limits {
 		I := l.intervalMicros()
 		tau := l.tauMicros()
