@@ -197,10 +197,20 @@ func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, r
 	if err != nil {
 		return unread("%w", err)
 	}
+	// The script books the request exactly if its wait, worked out from
+	// the TATs it was judged against, is within its max wait (and records
+	// it, status 3, only if booked): a reply that disagrees was not made
+	// by this engine's script.
+	slot := now
+	for k, l := range limits {
+		slot = max(slot, tats[k]+int64(req.N-1)*l.intervalMicros()-l.tauMicros())
+	}
+	if status < 0 || status > 3 || wait != slot-now || (status != 0) == (wait > req.maxWaitMicros()) {
+		return unread("unexpected reply: status %d, wait %dµs (%dµs by the TATs), max wait %v", status, wait, slot-now, req.MaxWait)
+	}
 	b := Booking{OK: status != 0, N: req.N, Wait: time.Duration(wait) * time.Microsecond, At: time.UnixMicro(now + wait),
 		now: now, starts: tats, ends: tats}
 	if b.OK {
-		slot := now + wait
 		b.id = rand.Uint64()
 		b.ends = make([]int64, m)
 		for k, l := range limits {

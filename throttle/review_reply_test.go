@@ -139,3 +139,62 @@ func TestUnreadableMergedReplyIsReplyLost(t *testing.T) {
 		r.requireBookedOnce(t, fmt.Sprintf("m%d", i))
 	}
 }
+
+// skew is a go-redis hook that, while on, changes a BookRetry reply
+// ({now, status, wait, tats..., due}) by f: a reply well formed but not
+// what the script answers.
+type skew struct {
+	on atomic.Bool
+	f  func(reply []any)
+}
+
+func (s *skew) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (s *skew) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+func (s *skew) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if n := cmd.Name(); err == nil && s.on.Load() && (n == "evalsha" || n == "eval") {
+			if c, ok := cmd.(interface{ Val() any }); ok {
+				if arr, ok := c.Val().([]any); ok && len(arr) >= 4 {
+					s.f(arr)
+				}
+			}
+		}
+		return err
+	}
+}
+
+// TestBookRetryReplyMustAgree: BookRetry checks its reply as BookAll
+// does: a wait that is not the one the reply's TATs give, or a status
+// that says booked for a wait past the max wait (or refused within it),
+// was not made by the engine's script, which ran all the same:
+// ErrReplyLost, not a booking made up of the reply's numbers.
+func TestBookRetryReplyMustAgree(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Shared(t)
+	rdb := srv.Client(t)
+	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(5*time.Second))
+	require.NoError(t, err)
+	ctx := context.Background()
+	require.NoError(t, eng.Load(ctx))
+	lim := throttle.PerSecond(10, 0)
+	for name, f := range map[string]func([]any){
+		"wait off by 1ms": func(a []any) { a[2] = a[2].(int64) + 1000 },
+		"refused within":  func(a []any) { a[1] = int64(0) },
+		"booked beyond":   func(a []any) { a[1], a[2] = int64(1), int64(time.Hour/time.Microsecond) },
+		"unknown status":  func(a []any) { a[1] = int64(7) },
+	} {
+		t.Run(name, func(t *testing.T) {
+			s := &skew{f: f}
+			s.on.Store(true)
+			rdb.AddHook(s)
+			defer s.on.Store(false)
+			key := "agree:{" + name + "}"
+			_, err := eng.BookRetry(ctx, []string{key}, []throttle.Limit{lim}, throttle.Request{N: 1, MaxWait: time.Minute},
+				throttle.RetryIndex{Key: key + ":asynq", Member: "m", KeepFrom: time.Minute, Window: time.Second, MaxDue: 10})
+			require.ErrorIs(t, err, throttle.ErrReplyLost)
+		})
+	}
+}
