@@ -147,13 +147,14 @@ func rmaNoGoroutinesLeft(t *testing.T) {
 // same host's clock as the deadline) past its deadline; a refusal or an
 // error books nothing: a probe at the end of each key waits what a replay
 // of that key's OK bookings predicts. The slots pass the limit's
-// arrival curve. Calls were merged: fewer calls than bookings sent.
-// (Errors are allowed to leave their slot booked: a caller whose context
+// arrival curve. Calls were merged: fewer calls than bookings sent
+// (with throttle.WithMergeWait(Forever): at 80 ms a round trip the
+// default wait of 250µs sends most bookings alone, as it should). (Errors are allowed to leave their slot booked: a caller whose context
 // ends as an immediate slot's reply comes keeps that slot booked, merged
 // or not; see the stop's note.)
 func TestReviewMergeAtDeadlines(t *testing.T) {
 	t.Parallel()
-	eng, p, calls := rmaEngine(t, redistest.Shared(t))
+	eng, p, calls := rmaEngine(t, redistest.Shared(t), throttle.WithMergeWait(throttle.Forever))
 	p.SetLatency(40 * time.Millisecond)
 	lim := throttle.PerSecond(10, 1) // I = 100 ms
 	l, err := reserve.New(eng, "rmadl", lim)
@@ -368,8 +369,9 @@ func TestReviewMergeAtCancel(t *testing.T) {
 
 // TestReviewMergeAtCancelledWaiting: 24 callers on 24 keys (one slot per
 // 2 s, each key's first slot taken beforehand, so that the callers' slots
-// lie in the future and can be given back), replies held 150 ms, so that
-// four fly and the rest wait to be merged; their contexts are cancelled at
+// lie in the future and can be given back), replies held 150 ms and
+// throttle.WithMergeWait(Forever), so that four fly and the rest wait to
+// be merged until one lands; their contexts are cancelled at
 // random times (0 to 400 ms), before their call is sent, while it flies,
 // or after. A caller that gets an error left nothing booked (its probe
 // waits what the first booking alone predicts); one that got a
@@ -378,7 +380,7 @@ func TestReviewMergeAtCancel(t *testing.T) {
 //
 // Not parallel: it ends by counting goroutines.
 func TestReviewMergeAtCancelledWaiting(t *testing.T) {
-	eng, p, calls := rmaEngine(t, redistest.Shared(t))
+	eng, p, calls := rmaEngine(t, redistest.Shared(t), throttle.WithMergeWait(throttle.Forever))
 	lim := throttle.Every(2*time.Second, 1, 0)
 	for _, coalesce := range []bool{true, false} {
 		t.Run(fmt.Sprintf("coalescing=%v", coalesce), func(t *testing.T) {
@@ -449,9 +451,11 @@ func TestReviewMergeAtCancelledWaiting(t *testing.T) {
 // of a Limiter with two limits (not merged: its bookings are calls of
 // their own) beside them. The slots that stood pass each limit's arrival
 // curve, on the Redis clock; the layered Limiter books and refuses too.
+// With throttle.WithMergeWait(Forever), so that bookings merge at this
+// latency (the default wait sends most of them alone).
 func TestReviewMergeAtMixedLatency(t *testing.T) {
 	t.Parallel()
-	eng, p, calls := rmaEngine(t, redistest.Shared(t))
+	eng, p, calls := rmaEngine(t, redistest.Shared(t), throttle.WithMergeWait(throttle.Forever))
 	p.SetLatency(40 * time.Millisecond)
 	one := throttle.PerSecond(10, 2)
 	a, err := reserve.New(eng, "rmamixa", one, reserve.WithMaxWait(150*time.Millisecond))

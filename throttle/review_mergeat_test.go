@@ -5,12 +5,12 @@ package throttle_test
 // side paths, most with WithMergeWait(Forever), so that the count holds
 // strictly and a batch waits behind the calls in flight: callers leaving
 // while a batch waits for a flight token, lost replies, Redis stopped, a
-// mixed load at 40 ms each way (the default wait) checked against a
-// textbook GCRA of its own, the option's corners, and an Observer that
-// panics inside a merged call. Whether the flight tokens all came back is
-// seen from outside: k concurrent bookings through a proxy that holds
-// replies back must all be in flight at once (a lost token holds the k-th
-// back until another call lands).
+// mixed load at 40 ms each way checked against a textbook GCRA of its
+// own, the option's corners, and an Observer that panics inside a merged
+// call. Whether the flight tokens all came back is seen from outside: k
+// concurrent bookings through a proxy that holds replies back must all be
+// in flight at once (a lost token holds the k-th back until another call
+// lands).
 
 import (
 	"context"
@@ -362,7 +362,8 @@ func (k *rmaKey) judge(now int64, n int, mw int64) (ok bool, wait, before, after
 }
 
 // TestReviewMergeAtMixedLatency: 40 ms each way, a pool of 8, WithMergeAt's
-// default. Sixteen callers mix single bookings (merged or alone), BookAll
+// default count, WithMergeWait(Forever) (at this latency the default wait
+// sends most single bookings alone). Sixteen callers mix single bookings (merged or alone), BookAll
 // batches of several requests, Refunds of the latest booking and Allows
 // on ten shared keys, one operation on a key at a time (so that each
 // key's order is known). Every booking and Allow is what a textbook GCRA
@@ -372,7 +373,7 @@ func (k *rmaKey) judge(now int64, n int, mw int64) (ok bool, wait, before, after
 func TestReviewMergeAtMixedLatency(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Start(t)
-	r := rmaEngine(t, srv, 8, 0)
+	r := rmaEngine(t, srv, 8, 0, throttle.WithMergeWait(throttle.Forever))
 	r.p.SetLatency(40 * time.Millisecond)
 	limits := []throttle.Limit{throttle.PerSecond(20, 2), throttle.PerSecond(5, 1), throttle.Every(time.Second, 3, 3)}
 	keys := make([]*rmaKey, 10)
