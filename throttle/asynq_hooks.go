@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 )
 
@@ -211,7 +212,7 @@ func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, r
 	b := Booking{OK: status != 0, N: req.N, Wait: time.Duration(wait) * time.Microsecond, At: time.UnixMicro(now + wait),
 		now: now, starts: tats, ends: tats}
 	if b.OK {
-		b.id = rand.Uint64()
+		b.id, b.way = rand.Uint64(), new(atomic.Uint32)
 		b.ends = make([]int64, m)
 		for k, l := range limits {
 			b.ends[k] = max(b.starts[k], slot) + int64(req.N)*l.intervalMicros()

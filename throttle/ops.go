@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -101,7 +102,16 @@ type Booking struct {
 	starts []int64 // each key's TAT before the decision
 	ends   []int64 // each key's TAT after it
 	id     uint64  // names the booking's tombstone once it is given back
+	// way is how the booking was first given back (wayUsed, wayUnused),
+	// shared by its copies; nil for a refusal.
+	way *atomic.Uint32
 }
+
+// How a booking was given back: RefundAll's way or RefundUnused's.
+const (
+	wayUsed uint32 = 1 + iota
+	wayUnused
+)
 
 // Book is shorthand for BookBatch with one request.
 func (e *Engine) Book(ctx context.Context, key string, limit Limit, req Request) (Booking, error) {
@@ -272,9 +282,11 @@ func (e *Engine) RefundAll(ctx context.Context, keys []string, limits []Limit, b
 // nothing booked after it stands on them: nothing ran in it, so nothing
 // is let through early. Only the code that booked it can know that; a
 // holder that may have acted gives back with RefundAll. A booking must
-// be given back one way only: RefundAll's mark that it was given back
+// be given back one way only (RefundAll's mark that it was given back
 // lasts until its slot, so a RefundUnused of the same booking after that
-// slot could give back a later booking's room.
+// slot could give back a later booking's room): once either has been
+// called for a booking or any copy of it, the other fails with
+// ErrInvalidRequest, making no Redis call. Retrying the same one is safe.
 func (e *Engine) RefundUnused(ctx context.Context, keys []string, limits []Limit, b Booking) ([]time.Duration, error) {
 	return e.refund(ctx, keys, limits, b, true)
 }
@@ -289,6 +301,13 @@ func (e *Engine) refund(ctx context.Context, keys []string, limits []Limit, b Bo
 	}
 	if len(b.ends) != len(keys) || len(b.starts) != len(keys) {
 		return nil, fmt.Errorf("%w: booking of %d limits refunded to %d", ErrInvalidRequest, len(b.ends), len(keys))
+	}
+	way := wayUsed
+	if unused {
+		way = wayUnused
+	}
+	if b.way != nil && !b.way.CompareAndSwap(0, way) && b.way.Load() != way {
+		return nil, fmt.Errorf("%w: a booking given back by RefundAll and by RefundUnused (one way only)", ErrInvalidRequest)
 	}
 	// refund.lua gives back until the instant it is given, and its
 	// tombstone lives until then: the slot, or for an unused booking the
@@ -716,6 +735,7 @@ func judge(vals []int64, limits []Limit, reqs []Request) ([]Booking, error) {
 		interval[k], tau[k] = l.intervalMicros(), l.tauMicros()
 	}
 	out := make([]Booking, len(reqs))
+	var ways []atomic.Uint32 // each booking's way, one allocation for all
 	run, pos := -1, int64(0) // the request's run, and its place in it
 	for i, r := range reqs {
 		if !sameRun(reqs, i) {
@@ -735,7 +755,10 @@ func judge(vals []int64, limits []Limit, reqs []Request) ([]Booking, error) {
 			return nil, fmt.Errorf("unexpected reply: request %d (wait %dµs, max wait %v) booked: %v", i, w, r.MaxWait, b.OK)
 		}
 		if b.OK { // each limit advanced from the slot: tat = max(tat, slot) + n*I
-			b.id = rand.Uint64()
+			if ways == nil {
+				ways = make([]atomic.Uint32, len(reqs))
+			}
+			b.id, b.way = rand.Uint64(), &ways[i]
 			b.ends = ends[m*i : m*(i+1) : m*(i+1)]
 			for k := range m {
 				b.ends[k] = max(b.starts[k], slot) + int64(r.N)*interval[k]

@@ -24,13 +24,15 @@ func TestRefundUnused(t *testing.T) {
 	t0 := base()
 	ms := time.Millisecond
 
-	// An immediate booking of 2 units on an idle key: slot t0, TAT t0+200ms.
+	// Immediate bookings of 2 units on idle keys: slot t0, TAT t0+200ms.
+	used, err := e.eng.Book(at(t0, 0), "a0", lim, throttle.Request{N: 2, MaxWait: throttle.Forever})
+	require.NoError(t, err)
 	b, err := e.eng.Book(at(t0, 0), "a", lim, throttle.Request{N: 2, MaxWait: throttle.Forever})
 	require.NoError(t, err)
 	require.True(t, b.OK)
 	require.Zero(t, b.Wait)
 	// 50 ms on, the slot has come: Refund gives nothing.
-	given, err := e.eng.Refund(at(t0, 50*ms), "a", lim, b)
+	given, err := e.eng.Refund(at(t0, 50*ms), "a0", lim, used)
 	require.NoError(t, err)
 	require.Zero(t, given, "Refund after the slot")
 	// RefundUnused gives back what stands in front: TAT t0+200ms, now

@@ -36,7 +36,9 @@ type ru2Booking struct {
 
 // ru2Model drives one key set (one or two limits) through random bookings
 // and refunds, RefundAll and RefundUnused mixed, retried, in any order,
-// with pauses, on the clock now() returns (test or Redis).
+// with pauses, on the clock now() returns (test or Redis). A booking
+// given back one way and then the other gets ErrInvalidRequest the second
+// way, and nothing is sent.
 type ru2Model struct {
 	t      *testing.T
 	e      *env
@@ -45,7 +47,7 @@ type ru2Model struct {
 	rng    *rand.Rand
 	all    []*ru2Booking
 	pauses [][2]int64 // {issued at, no slot before}
-	stats  struct{ unusedLate, allThenUnused, twiceTried int }
+	stats  struct{ unusedLate, otherWay, twiceTried int }
 }
 
 func (m *ru2Model) book(ctx context.Context, now int64, n int, maxWait time.Duration, used bool) {
@@ -66,11 +68,18 @@ func (m *ru2Model) book(ctx context.Context, now int64, n int, maxWait time.Dura
 func (m *ru2Model) refund(ctx context.Context, now int64, x *ru2Booking, unused bool) {
 	var g []time.Duration
 	var err error
+	before := m.e.calls.Load()
 	if unused {
 		require.False(m.t, x.used, "model: RefundUnused only for a booking no one acted on")
 		g, err = m.e.eng.RefundUnused(ctx, m.keys, m.lims, x.b)
 	} else {
 		g, err = m.e.eng.RefundAll(ctx, m.keys, m.lims, x.b)
+	}
+	if x.tried && x.triedAll == unused { // given back the other way before
+		require.ErrorIs(m.t, err, throttle.ErrInvalidRequest, "a booking given back both ways")
+		require.Equal(m.t, before, m.e.calls.Load(), "the second way made a Redis call")
+		m.stats.otherWay++
+		return
 	}
 	require.NoError(m.t, err)
 	gaveAny := false
@@ -87,9 +96,6 @@ func (m *ru2Model) refund(ctx context.Context, now int64, x *ru2Booking, unused 
 	slot := x.b.At.UnixMicro()
 	if unused && gaveAny && now >= slot {
 		m.stats.unusedLate++
-	}
-	if unused && x.triedAll {
-		m.stats.allThenUnused++
 	}
 	if x.tried {
 		m.stats.twiceTried++
@@ -163,10 +169,10 @@ func TestReviewUnused2RandomTestClock(t *testing.T) {
 		{[]string{"{s}:a", "{s}:b"}, []throttle.Limit{throttle.Every(100*ms, 1, 1), throttle.Every(350*ms, 1, 3)}},
 		{[]string{"{s}:a", "{s}:b"}, []throttle.Limit{throttle.Every(300*ms, 1, 2), throttle.Every(70*ms, 1, 0)}},
 	}
-	var unusedLate, allThenUnused, twice int
+	var unusedLate, otherWay, twice int
 	defer func() {
-		t.Logf("RefundUnused gave back after the slot %d times; RefundUnused after RefundAll %d; refunds retried %d",
-			unusedLate, allThenUnused, twice)
+		t.Logf("RefundUnused gave back after the slot %d times; the other way refused %d; refunds retried %d",
+			unusedLate, otherWay, twice)
 	}()
 	for seed := range uint64(60) {
 		for si, s := range sets {
@@ -186,7 +192,7 @@ func TestReviewUnused2RandomTestClock(t *testing.T) {
 			}
 			m.check()
 			unusedLate += m.stats.unusedLate
-			allThenUnused += m.stats.allThenUnused
+			otherWay += m.stats.otherWay
 			twice += m.stats.twiceTried
 		}
 	}
@@ -239,8 +245,9 @@ func redisNow(t *testing.T, e *env) int64 {
 
 // TestReviewUnused2ThreeOrders: three bookings a, b, c on one key, queued
 // (burst 0, I = 1 s), none used, given back in each of the six orders, each
-// by RefundUnused or by RefundAll then RefundUnused, at times before and
-// after the slots: every order given latest first gives everything back;
+// by RefundUnused, or by RefundAll (then RefundUnused, refused: one way
+// only), at times before and after the slots: every order given latest
+// first gives everything back;
 // each booking comes back at most once; then the key is idle again and
 // what runs next keeps the curve.
 func TestReviewUnused2ThreeOrders(t *testing.T) {
@@ -279,6 +286,11 @@ func TestReviewUnused2ThreeOrders(t *testing.T) {
 						total += g[0]
 					}
 					g, err := e.eng.RefundUnused(at(t0, now), keys, lims, bs[i])
+					if mode&1 != 0 {
+						require.ErrorIs(t, err, throttle.ErrInvalidRequest, "RefundUnused after RefundAll")
+						now += 10 * ms
+						continue
+					}
 					require.NoError(t, err)
 					if g[0] > 0 {
 						require.False(t, gaveOnce[i], "order %v mode %d: booking %d given back twice (round %d)", p, mode, i, round)
@@ -291,10 +303,14 @@ func TestReviewUnused2ThreeOrders(t *testing.T) {
 			// Only the latest-first order gives back in full; never more
 			// than the room in front of the key.
 			require.LessOrEqual(t, total, 3*time.Second-100*ms)
-			if p == [3]int{2, 1, 0} && mode&2 == 0 {
+			switch {
+			case p == [3]int{2, 1, 0} && mode == 0:
 				// c at +100ms and b at +110ms in full, a (slot come) its
 				// 880 ms still standing, by RefundUnused.
 				require.Equal(t, 2880*ms, total, "latest first gives everything back")
+			case p == [3]int{2, 1, 0} && mode == 1:
+				// By RefundAll: c and b in full, a (slot come) nothing.
+				require.Equal(t, 2000*ms, total, "latest first by RefundAll")
 			}
 			// What runs next: as many immediate bookings as pass, at now;
 			// together with nothing else (none of a, b, c ran) they keep
@@ -384,8 +400,8 @@ func TestReviewUnused2Cluster(t *testing.T) {
 		})
 		x := bs[1]
 		require.True(t, x.OK, "set %d", i)
-		time.Sleep(x.Wait + 5*ms) // past the slot: only RefundUnused gives back
-		g, err := eng.RefundAll(ctx, ks, lims, x)
+		time.Sleep(x.Wait + 5*ms) // past the slots: only RefundUnused gives back
+		g, err := eng.RefundAll(ctx, ks, lims, bs[0])
 		require.NoError(t, err)
 		for _, d := range g {
 			require.Zero(t, d, "set %d: RefundAll after the slot", i)

@@ -39,11 +39,11 @@ func ruCurve(t *testing.T, I int64, burst int, at []int64, n []int) {
 	}
 }
 
-// TestReviewUnusedRepeatAndReverse: the orders the tombstone does cover.
-// RefundUnused retried (before and after the slot), and RefundAll after
-// RefundUnused, give nothing, even once a later booking ends where the
-// given-back one did; the later booking's holder acts, and the slots that
-// ran keep the limit.
+// TestReviewUnusedRepeatAndReverse: RefundUnused retried (before and
+// after the slot) gives nothing, even once a later booking ends where the
+// given-back one did, and RefundAll after RefundUnused is refused
+// (ErrInvalidRequest: one way only); the later booking's holder acts, and
+// the slots that ran keep the limit.
 func TestReviewUnusedRepeatAndReverse(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
@@ -75,12 +75,10 @@ func TestReviewUnusedRepeatAndReverse(t *testing.T) {
 		g, err = e.eng.RefundUnused(at(t0, now), keys, lims, b)
 		require.NoError(t, err)
 		require.Equal(t, []time.Duration{0}, g, "RefundUnused retried at +%v", now)
-		g, err = e.eng.RefundAll(at(t0, now), keys, lims, b)
-		require.NoError(t, err)
-		require.Equal(t, []time.Duration{0}, g, "RefundAll after RefundUnused at +%v", now)
-		g1, err := e.eng.Refund(at(t0, now), "k", lim, b)
-		require.NoError(t, err)
-		require.Zero(t, g1, "Refund after RefundUnused at +%v", now)
+		_, err = e.eng.RefundAll(at(t0, now), keys, lims, b)
+		require.ErrorIs(t, err, throttle.ErrInvalidRequest, "RefundAll after RefundUnused at +%v", now)
+		_, err = e.eng.Refund(at(t0, now), "k", lim, b)
+		require.ErrorIs(t, err, throttle.ErrInvalidRequest, "Refund after RefundUnused at +%v", now)
 	}
 	d, err := e.eng.Book(at(t0, 2500*ms), "k", lim, one)
 	require.NoError(t, err)
