@@ -313,15 +313,19 @@ func WithMergeAt(inFlight int) Option {
 // away.
 const defaultMergeWait = 250 * time.Microsecond
 
-// WithMergeWait sets how long a batch of merged bookings that found
-// WithMergeAt's count in flight waits for one of those calls to come back
-// (default 250µs). If none has come back by then, the batch goes out
-// anyway, in a call beyond the count: so a booking waits at most d longer
-// than it would alone (and its call's round trip), and the calls beyond
-// the count are at most one batch per d. Forever holds the count strictly:
-// batches wait as long as it takes, for a Redis whose CPU is the
-// bottleneck and which is so near that its round trip costs little. A
-// booking's own context still bounds its wait (see the package doc).
+// WithMergeWait sets how long a batch of merged bookings waits, from when
+// it formed, for one of the calls WithMergeAt counts in flight to come
+// back (default 250µs). If none has by then, the batch goes out anyway,
+// beside them: so a booking waits at most d longer than it would alone
+// (its call's round trip aside). The calls beyond the count carry full
+// batches (64 bookings), batches that waited d (at most one that is not
+// full per d), and bookings a merged call could not book (a corrupt key;
+// a key the ACL user may not touch, which fails the whole call), each sent
+// again alone once a call in flight lands or d has passed, so those may go
+// out together. Forever holds the count strictly: batches wait as long as
+// it takes, for a Redis whose CPU is the bottleneck and which is so near
+// that its round trip costs little. A booking's own context still bounds
+// its wait (see the package doc).
 func WithMergeWait(d time.Duration) Option {
 	return func(e *Engine) error {
 		if d <= 0 {
@@ -671,21 +675,27 @@ func (e *Engine) loadNode(ctx context.Context, c *redis.Client) error {
 // Heartbeat records that the process id is alive under name for ttl and
 // returns how many processes are (at least 1). Fallback policies that share
 // the limit locally while Redis is down use it, once per interval, never
-// per request. The set lives at the key "instances:"+name (prefixed).
+// per request. The set lives at the key "instances:"+name (prefixed). Its
+// errors are classed as every call's (ErrUnavailable, ErrReplyLost; see the
+// package doc), but it does not go through the breaker.
 func (e *Engine) Heartbeat(ctx context.Context, name, id string, ttl time.Duration) (int, error) {
 	if name == "" || id == "" || ttl < time.Millisecond {
 		return 0, fmt.Errorf("%w: heartbeat needs a name, an id and a TTL of at least 1ms", ErrInvalidRequest)
 	}
 	ms := int64(ttl / time.Millisecond)
-	ctx, cancel := e.callContext(ctx)
+	callCtx, cancel := e.callContext(ctx)
 	defer cancel()
-	reply, err := heartbeatScript.run(ctx, e.rdb, []string{e.prefix + "instances:" + name}, []any{id, ms})
+	key := e.prefix + "instances:" + name
+	reply, err := heartbeatScript.run(callCtx, e.rdb, []string{key}, []any{id, ms})
 	if err != nil {
+		// Classed as every call is (the package doc's table), but outside
+		// the breaker: the fallbacks call it while Redis is down.
+		_, err = e.verdict(ctx, callCtx, key, err)
 		return 0, fmt.Errorf("throttle: heartbeat %q: %w", name, err)
 	}
 	n, ok := reply.(int64)
 	if !ok {
-		return 0, fmt.Errorf("throttle: heartbeat %q: unexpected reply %T, want an integer", name, reply)
+		return 0, fmt.Errorf("throttle: heartbeat %q: %w", name, unreadable(fmt.Errorf("unexpected reply %T, want an integer", reply)))
 	}
 	return max(int(n), 1), nil
 }

@@ -28,10 +28,10 @@ const maxMerge = 64
 // (BenchmarkBook1Pipelining). A booking that finds room goes alone; so
 // does every other call.
 //
-// The first request of a batch leads it: it waits for a flight token (at
-// most the engine's WithMergeWait, then it goes without one) and the
-// connection (bounded by its context's wait, see waitbound), takes the
-// batch and sends it. Until then the batch takes more requests (up to
+// The first request of a batch leads it: it waits for a flight token
+// (until the engine's WithMergeWait has passed since the batch formed,
+// then it goes without one) and the connection (bounded by its context's
+// wait, see waitbound), takes the batch and sends it. Until then the batch takes more requests (up to
 // maxMerge), and a request whose wait ends leaves it, nothing sent; if
 // that was the leader, the next request leads. Once taken, a request's answer comes
 // with the call's (bounded by the engine's timeout, as a batch of calls
@@ -54,7 +54,8 @@ type merger struct {
 // A mergeBatch is the requests of one merged call.
 type mergeBatch struct {
 	items []*mergeItem
-	taken bool // by its leader, to send (or to fail): no one joins or leaves
+	taken bool      // by its leader, to send (or to fail): no one joins or leaves
+	due   time.Time // when it goes without a flight token; zero: never
 }
 
 // A mergeItem is one request of a mergeBatch.
@@ -98,7 +99,7 @@ func (m *merger) book(ctx context.Context, key string, limit Limit, req Request)
 	m.mu.Lock()
 	batch := m.open
 	if batch == nil {
-		batch = &mergeBatch{}
+		batch = &mergeBatch{due: m.due()}
 		m.open = batch
 		it.leader = true
 	}
@@ -118,7 +119,7 @@ func (m *merger) book(ctx context.Context, key string, limit Limit, req Request)
 	if a.alone && m.flight != nil {
 		// Sent again alone (its key could not be booked in the merged
 		// call), it flies as a booking alone does.
-		land, err := m.board(ctx)
+		land, err := m.board(ctx, m.due())
 		if err != nil {
 			return Booking{}, true, noCancel, err
 		}
@@ -178,7 +179,7 @@ func (m *merger) leaveLocked(batch *mergeBatch, it *mergeItem) {
 func (m *merger) lead(ctx context.Context, batch *mergeBatch, it *mergeItem) mergeAnswer {
 	e := m.e
 	if m.flight != nil {
-		land, err := m.board(ctx)
+		land, err := m.board(ctx, batch.due) // a new leader's wait does not start again
 		if err != nil {
 			m.mu.Lock()
 			m.leaveLocked(batch, it)
@@ -243,19 +244,32 @@ func (m *merger) lead(ctx context.Context, batch *mergeBatch, it *mergeItem) mer
 	return own
 }
 
-// board waits for a flight token, at most m.wait and bounded by ctx's
+// due is when a batch forming now, or a booking sent again alone now,
+// goes without a flight token: zero for never.
+func (m *merger) due() time.Time {
+	if m.wait >= Forever {
+		return time.Time{}
+	}
+	return time.Now().Add(m.wait)
+}
+
+// board waits for a flight token, until due (see due) and bounded by ctx's
 // wait (see waitbound), and returns what gives it back: m.land, or
-// noCancel if the wait ran out first and the call goes without one (far
-// from Redis, the calls in flight are on the wire, not queued in Redis).
-func (m *merger) board(ctx context.Context) (land func(), err error) {
+// noCancel if due came first and the call goes without one (far from
+// Redis, the calls in flight are on the wire, not queued in Redis).
+func (m *merger) board(ctx context.Context, due time.Time) (land func(), err error) {
 	select {
 	case m.flight <- struct{}{}:
 		return m.land, nil
 	default:
 	}
 	var out <-chan time.Time
-	if m.wait < Forever {
-		t := time.NewTimer(m.wait)
+	if !due.IsZero() {
+		d := time.Until(due)
+		if d <= 0 {
+			return noCancel, nil
+		}
+		t := time.NewTimer(d)
 		defer t.Stop()
 		out = t.C
 	}

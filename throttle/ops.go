@@ -538,56 +538,73 @@ const probeTimeouts = 4
 // errBreakerOpen is the error of a call refused at once by the open breaker.
 var errBreakerOpen = fmt.Errorf("%w (failing fast until a probe succeeds)", ErrUnavailable)
 
-// classify tells node's breaker what err says of it, and returns err as
-// the caller should see it (the table is in the package doc): matching
-// ErrUnavailable when Redis could not be reached or could not serve, and
-// ErrReplyLost as well when the script may have run all the same; matching
-// ErrCorruptState for a stored value that is not a TAT. key is the call's
-// first (prefixed) key; probe tells whether the call was the open
-// breaker's probe.
+// classify tells node's breaker what err says of it (see verdict), and
+// returns err as the caller should see it. key is the call's first
+// (prefixed) key; probe tells whether the call was the open breaker's
+// probe.
 func (e *Engine) classify(ctx, callCtx context.Context, node *nodeRef, key string, probe bool, start, end time.Time, err error) error {
-	if err == nil {
+	v, err := e.verdict(ctx, callCtx, key, err)
+	switch v {
+	case redisServed:
 		e.breakers.successB(node.b, end)
-		return nil
-	}
-	switch ended := callerEnded(ctx, callCtx); {
-	case ended != nil: // the caller gave up: no verdict on Redis
+	case noVerdict:
 		if probe {
 			e.breakers.abandonB(node.b)
 		}
-		sent := !notSent(err) // judged on go-redis's error as it came
-		if !errors.Is(err, ended) {
-			err = fmt.Errorf("%w: %w", ended, err)
-		}
-		if sent {
-			return fmt.Errorf("%w: %w", ErrReplyLost, err)
-		}
-		return err
-	case saturated(err, func() bool { return e.poolFull(key) }): // the client's own pool: no verdict on Redis either
-		if probe {
-			e.breakers.abandonB(node.b)
-		}
-		return fmt.Errorf("%w: %w", ErrUnavailable, err)
-	case slotBusy(err): // Redis answered: one slot cannot serve this call, the node can
-		e.breakers.successB(node.b, end)
-		return fmt.Errorf("%w: %w", ErrUnavailable, err)
-	case unavailable(err):
+	case redisDown:
 		if probe {
 			e.breakers.probeFailedB(node.b, start)
 		} else {
 			e.breakers.failureB(node.b, start)
 		}
-		if !notSent(err) {
-			return fmt.Errorf("%w: %w: %w", ErrUnavailable, ErrReplyLost, err)
+	}
+	return err
+}
+
+// What a call's outcome says of its Redis node.
+type callVerdict int
+
+const (
+	redisServed callVerdict = iota // it answered (with a reply or an error)
+	noVerdict                      // the caller gave up, or the client's own pool was full
+	redisDown                      // it could not be reached, or could not serve
+)
+
+// verdict classes a call's err (the table is in the package doc): what it
+// says of Redis, and err as the caller should see it, matching
+// ErrUnavailable when Redis could not be reached or could not serve, and
+// ErrReplyLost as well when the script may have run all the same; matching
+// ErrCorruptState for a stored value that is not a TAT. key is the call's
+// first (prefixed) key.
+func (e *Engine) verdict(ctx, callCtx context.Context, key string, err error) (callVerdict, error) {
+	if err == nil {
+		return redisServed, nil
+	}
+	switch ended := callerEnded(ctx, callCtx); {
+	case ended != nil: // the caller gave up: no verdict on Redis
+		sent := !notSent(err) // judged on go-redis's error as it came
+		if !errors.Is(err, ended) {
+			err = fmt.Errorf("%w: %w", ended, err)
 		}
-		return fmt.Errorf("%w: %w", ErrUnavailable, err)
+		if sent {
+			return noVerdict, fmt.Errorf("%w: %w", ErrReplyLost, err)
+		}
+		return noVerdict, err
+	case saturated(err, func() bool { return e.poolFull(key) }): // the client's own pool: no verdict on Redis either
+		return noVerdict, fmt.Errorf("%w: %w", ErrUnavailable, err)
+	case slotBusy(err): // Redis answered: one slot cannot serve this call, the node can
+		return redisServed, fmt.Errorf("%w: %w", ErrUnavailable, err)
+	case unavailable(err):
+		if !notSent(err) {
+			return redisDown, fmt.Errorf("%w: %w: %w", ErrUnavailable, ErrReplyLost, err)
+		}
+		return redisDown, fmt.Errorf("%w: %w", ErrUnavailable, err)
 	default: // Redis answered, with an error
-		e.breakers.successB(node.b, end)
 		if msg, ok := strings.CutPrefix(err.Error(), "SLOTBOOK_CORRUPT "); ok {
 			msg, _, _ = strings.Cut(msg, " script: ") // Redis appends where in the script
-			return fmt.Errorf("%w: %s", ErrCorruptState, msg)
+			return redisServed, fmt.Errorf("%w: %s", ErrCorruptState, msg)
 		}
-		return err
+		return redisServed, err
 	}
 }
 
