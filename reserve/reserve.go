@@ -326,6 +326,13 @@ func (l *Limiter) ReserveN(ctx context.Context, key string, n int) (*Reservation
 	if c.ended { // ended after the check above, before anything was sent
 		return nil, c.res.err
 	}
+	if c.res != nil && c.res.OK() && ctx.Err() != nil {
+		// A merged call is not cut short by its callers' contexts (see
+		// throttle.WithMerging): ended in flight, the caller never had
+		// its booking, and gets its context's error, as a coalesced
+		// caller does.
+		return c.finish()
+	}
 	return c.res, c.err
 }
 

@@ -334,19 +334,27 @@ func (m *merger) send(ctx context.Context, t turn, items []*mergeItem) []mergeAn
 			answers[i].alone = true
 			continue
 		}
-		answers[i].b = single(now, vals[1+2*i:2+2*i:2+2*i], w, x.req.N, x.limit, ends[i:i+1:i+1])
+		answers[i].b, answers[i].err = single(now, vals[1+2*i:2+2*i:2+2*i], w, x.req, x.limit, ends[i:i+1:i+1])
 	}
 	return answers
 }
 
-// single is the Booking of one request of n units under limit, judged
-// against the TAT starts[0] at now with the reply's w (the wait if booked,
-// -1 - wait if refused); end is room for its end. A booking's starts and
-// ends are never written once it is made.
-func single(now int64, starts []int64, w int64, n int, limit Limit, end []int64) Booking {
+// single is the Booking of req under limit, judged against the TAT
+// starts[0] at now with the reply's w (the wait if booked, -1 - wait if
+// refused); end is room for its end. A booking's starts and ends are never
+// written once it is made. A reply whose wait is not the one the TAT
+// gives, or that books a request whose wait is past its max wait (or
+// refuses one within it), was not made by bookmany.lua, which ran all the
+// same: ErrReplyLost, as for book.lua's (see judge).
+func single(now int64, starts []int64, w int64, req Request, limit Limit, end []int64) (Booking, error) {
+	n := req.N
 	b := Booking{OK: w >= 0, N: n, now: now, starts: starts, ends: starts}
 	if !b.OK {
 		w = -1 - w
+	}
+	slot := max(now, starts[0]+int64(n-1)*limit.intervalMicros()-limit.tauMicros())
+	if w != slot-now || b.OK == (w > req.maxWaitMicros()) {
+		return Booking{}, unreadable(fmt.Errorf("unexpected reply: wait %dµs (%dµs by the TAT), max wait %v, booked: %v", w, slot-now, req.MaxWait, b.OK))
 	}
 	b.Wait = time.Duration(w) * time.Microsecond
 	b.At = time.UnixMicro(now + w)
@@ -355,7 +363,7 @@ func single(now int64, starts []int64, w int64, n int, limit Limit, end []int64)
 		end[0] = max(starts[0], now+w) + int64(n)*limit.intervalMicros()
 		b.ends = end
 	}
-	return b
+	return b, nil
 }
 
 // refusedBeforeRun reports whether err is Redis refusing a merged call's
