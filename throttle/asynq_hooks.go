@@ -127,7 +127,9 @@ func bookRetryBody() string {
 // index under idx.Member. Entries are dropped a minute after their slot,
 // when listed in idx.Forget, or when recalled. The reply lists the
 // index's entries due within idx.Window (and passed at most idx.Since
-// ago, if positive).
+// ago, if positive). A recorded booking given back (RefundAll) stays in the
+// index: list its member in a later call's Forget, or a BookRetry for the
+// same member recalls a slot that was given back.
 func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, req Request, idx RetryIndex) (RetryBooking, error) {
 	if err := checkKeysLimits(keys, limits); err != nil {
 		return RetryBooking{}, err
