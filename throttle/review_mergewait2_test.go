@@ -758,7 +758,7 @@ func TestReviewMWCallerEndsAfterSend(t *testing.T) {
 func TestReviewMWUnreadableTokenless(t *testing.T) {
 	t.Parallel()
 	r := mwEngine(t, redistest.Start(t), 6, 300*time.Millisecond, throttle.WithMergeAt(1), throttle.WithMergeWait(100*time.Millisecond))
-	g := new(garble)
+	g := garble()
 	r.rdb.AddHook(g)
 	g.on.Store(true)
 	wait := r.mwHolders(t, "gb", 1)
@@ -800,7 +800,7 @@ func TestReviewMWHeartbeatUnreadable(t *testing.T) {
 	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(5*time.Second))
 	require.NoError(t, err)
 	require.NoError(t, eng.Load(context.Background()))
-	g := new(garble)
+	g := garble()
 	rdb.AddHook(g)
 	g.on.Store(true)
 	_, err = eng.Heartbeat(context.Background(), "hb", "p1", time.Minute)

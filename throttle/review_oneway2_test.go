@@ -555,7 +555,7 @@ func TestReviewOWGarbledRefundIsReplyLost(t *testing.T) {
 	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(5*time.Second))
 	require.NoError(t, err)
 	require.NoError(t, eng.Load(context.Background()))
-	g := new(garble)
+	g := garble()
 	rdb.AddHook(g)
 	t0 := base()
 	lim := throttle.PerSecond(5, 0)
@@ -615,11 +615,11 @@ func TestReviewOWMergedReplyMustAgree(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			r := rmaEngine(t, redistest.Shared(t), 4, 200*ow2ms, throttle.WithMergeAt(1), throttle.WithMergeWait(throttle.Forever))
-			s := &skew{f: func(a []any) {
+			s := skew(func(a []any) {
 				if len(a) == 5 { // a merged reply of two bookings
 					tc.f(a)
 				}
-			}}
+			})
 			s.on.Store(true)
 			r.rdb.AddHook(s)
 			for round := 0; ; round++ {

@@ -16,28 +16,40 @@ import (
 	"github.com/slotbook/slotbook/throttle"
 )
 
-// garble is a go-redis hook that, while on, replaces every script call's
-// reply with a string no script of the engine answers: Redis ran the
-// script, but what came back cannot be read (a proxy that mangles
-// replies, a script of another version).
-type garble struct{ on atomic.Bool }
+// replyHook is a go-redis hook that, while on, hands every script call's
+// reply to f, which may change it: Redis ran the script, but what comes
+// back is not what the script answered (a proxy that mangles replies, a
+// script of another version).
+type replyHook struct {
+	on atomic.Bool
+	f  func(reply any) any
+}
 
-func (g *garble) DialHook(next redis.DialHook) redis.DialHook { return next }
-func (g *garble) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+func (h *replyHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *replyHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return next
 }
-func (g *garble) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+func (h *replyHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
 		err := next(ctx, cmd)
-		if n := cmd.Name(); err == nil && g.on.Load() && (n == "evalsha" || n == "eval") {
-			if c, ok := cmd.(interface{ SetVal(any) }); ok {
-				c.SetVal("garbled")
-			} else {
-				panic(fmt.Sprintf("garble: a script call of type %T", cmd))
+		if n := cmd.Name(); err == nil && h.on.Load() && (n == "evalsha" || n == "eval") {
+			c, ok := cmd.(interface {
+				Val() any
+				SetVal(any)
+			})
+			if !ok {
+				panic(fmt.Sprintf("replyHook: a script call of type %T", cmd))
 			}
+			c.SetVal(h.f(c.Val()))
 		}
 		return err
 	}
+}
+
+// garble replaces every reply with a string no script of the engine
+// answers.
+func garble() *replyHook {
+	return &replyHook{f: func(any) any { return "garbled" }}
 }
 
 // TestUnreadableReplyIsReplyLost: a booking call whose reply comes but
@@ -55,7 +67,7 @@ func TestUnreadableReplyIsReplyLost(t *testing.T) {
 	require.NoError(t, err)
 	ctx := context.Background()
 	require.NoError(t, eng.Load(ctx))
-	g := new(garble)
+	g := garble()
 	rdb.AddHook(g)
 	lim := throttle.PerSecond(10, 0)
 	req := throttle.Request{N: 1, MaxWait: throttle.Forever}
@@ -118,7 +130,7 @@ func TestUnreadableReplyIsReplyLost(t *testing.T) {
 func TestUnreadableMergedReplyIsReplyLost(t *testing.T) {
 	t.Parallel()
 	r := rmaEngine(t, redistest.Shared(t), 4, 200*time.Millisecond, throttle.WithMergeAt(1), throttle.WithMergeWait(throttle.Forever))
-	g := new(garble)
+	g := garble()
 	r.rdb.AddHook(g)
 	g.on.Store(true)
 	before := r.calls.Load()
@@ -140,30 +152,16 @@ func TestUnreadableMergedReplyIsReplyLost(t *testing.T) {
 	}
 }
 
-// skew is a go-redis hook that, while on, changes a BookRetry reply
-// ({now, status, wait, tats..., due}) by f: a reply well formed but not
-// what the script answers.
-type skew struct {
-	on atomic.Bool
-	f  func(reply []any)
-}
-
-func (s *skew) DialHook(next redis.DialHook) redis.DialHook { return next }
-func (s *skew) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return next
-}
-func (s *skew) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		err := next(ctx, cmd)
-		if n := cmd.Name(); err == nil && s.on.Load() && (n == "evalsha" || n == "eval") {
-			if c, ok := cmd.(interface{ Val() any }); ok {
-				if arr, ok := c.Val().([]any); ok && len(arr) >= 4 {
-					s.f(arr)
-				}
-			}
+// skew changes a reply of four values or more (BookRetry's {now, status,
+// wait, tats..., due}; a merged call's {now, tat, wait, ...}) by f: a
+// reply well formed but not what the script answers.
+func skew(f func(reply []any)) *replyHook {
+	return &replyHook{f: func(reply any) any {
+		if arr, ok := reply.([]any); ok && len(arr) >= 4 {
+			f(arr)
 		}
-		return err
-	}
+		return reply
+	}}
 }
 
 // TestBookRetryReplyMustAgree: BookRetry checks its reply as BookAll
@@ -187,7 +185,7 @@ func TestBookRetryReplyMustAgree(t *testing.T) {
 		"unknown status":  func(a []any) { a[1] = int64(7) },
 	} {
 		t.Run(name, func(t *testing.T) {
-			s := &skew{f: f}
+			s := skew(f)
 			s.on.Store(true)
 			rdb.AddHook(s)
 			defer s.on.Store(false)
