@@ -31,14 +31,15 @@ const maxMerge = 64
 // The first request of a batch leads it: it waits for a flight token
 // (until the engine's WithMergeWait has passed since the batch formed,
 // then it goes without one) and the connection (bounded by its context's
-// wait, see waitbound), takes the batch and sends it. Until then the batch takes more requests (up to
-// maxMerge), and a request whose wait ends leaves it, nothing sent; if
-// that was the leader, the next request leads. Once taken, a request's answer comes
-// with the call's (bounded by the engine's timeout, as a batch of calls
-// from package reserve is): the call books for every request in it, so
-// none is cut short. A merger is used only for a client that is not a
-// Cluster's (the keys of one call need not share a hash slot), with a
-// known pool size and a timeout.
+// wait, see waitbound), takes the batch and sends it. Until then the
+// batch takes more requests (up to maxMerge), and a request whose wait
+// ends leaves it, nothing sent; if that was the leader, the next request
+// leads (the batch's wait does not start again). Once taken, a request's
+// answer comes with the call's (bounded by the engine's timeout, as a
+// batch of calls from package reserve is): the call books for every
+// request in it, so none is cut short. A merger is used only for a client
+// that is not a Cluster's (the keys of one call need not share a hash
+// slot), with a known pool size and a timeout.
 type merger struct {
 	e   *Engine
 	off atomic.Bool // set once the server refused a merged call's keys as not one slot's
