@@ -100,11 +100,10 @@
 // there, each paying its own round of work in the client and the server.
 // The wait for one of the four is short (WithMergeWait, 250µs by default):
 // if none has come back by then, Redis is far away and the calls in flight
-// are on the wire, so the batch goes out beside them.
-// That call is one call for the breaker and the timeout, and for the
-// Observer one for each limiter name among its keys (ObserveCall); each
-// booking's error is the call's: a lost reply is ErrReplyLost for every
-// booking in it. A request leaves while it waits, as a call at the gate
+// are on the wire, so the batch goes out beside them. A merged call is
+// one call for the breaker and the timeout, and for the Observer one for
+// each limiter name among its keys (ObserveCall); each booking's error is
+// the call's: a lost reply is ErrReplyLost for every booking in it. A request leaves while it waits, as a call at the gate
 // does; once sent, its answer comes with the call's, bounded by the
 // engine's timeout rather than by its own context (a caller whose context
 // ends meanwhile gets its booking, not ErrReplyLost). A booking whose key
