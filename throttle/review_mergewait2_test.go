@@ -795,15 +795,10 @@ func TestReviewMWUnreadableTokenless(t *testing.T) {
 // (a script that writes) with a garbled reply.
 func TestReviewMWHeartbeatUnreadable(t *testing.T) {
 	t.Parallel()
-	srv := redistest.Shared(t)
-	rdb := srv.Client(t)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(5*time.Second))
-	require.NoError(t, err)
-	require.NoError(t, eng.Load(context.Background()))
 	g := garble()
-	rdb.AddHook(g)
+	e := hookedEnv(t, g)
 	g.on.Store(true)
-	_, err = eng.Heartbeat(context.Background(), "hb", "p1", time.Minute)
+	_, err := e.eng.Heartbeat(context.Background(), "hb", "p1", time.Minute)
 	require.Error(t, err)
 	require.ErrorIs(t, err, throttle.ErrReplyLost, "Heartbeat with an unreadable reply: %v", err)
 }

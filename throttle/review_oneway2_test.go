@@ -550,13 +550,8 @@ func TestReviewOWRemainingTextbook(t *testing.T) {
 // booking is where the textbook puts it (B given back once).
 func TestReviewOWGarbledRefundIsReplyLost(t *testing.T) {
 	t.Parallel()
-	srv := redistest.Shared(t)
-	rdb := srv.Client(t)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(5*time.Second))
-	require.NoError(t, err)
-	require.NoError(t, eng.Load(context.Background()))
 	g := garble()
-	rdb.AddHook(g)
+	eng := hookedEnv(t, g).eng
 	t0 := base()
 	lim := throttle.PerSecond(5, 0)
 	lims := []throttle.Limit{lim}

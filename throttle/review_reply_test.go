@@ -46,6 +46,15 @@ func (h *replyHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	}
 }
 
+// hookedEnv is newEnv with the scripts loaded and h on its client.
+func hookedEnv(t *testing.T, h *replyHook) *env {
+	t.Helper()
+	e := newEnv(t)
+	require.NoError(t, e.eng.Load(context.Background()))
+	e.rdb.AddHook(h)
+	return e
+}
+
 // garble replaces every reply with a string no script of the engine
 // answers.
 func garble() *replyHook {
@@ -60,15 +69,10 @@ func garble() *replyHook {
 // BookRetry and a merged call; each booking's key holds the booking.
 func TestUnreadableReplyIsReplyLost(t *testing.T) {
 	t.Parallel()
-	srv := redistest.Shared(t)
-	rdb := srv.Client(t)
-	prefix := redistest.Prefix(t)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
-	require.NoError(t, err)
-	ctx := context.Background()
-	require.NoError(t, eng.Load(ctx))
 	g := garble()
-	rdb.AddHook(g)
+	e := hookedEnv(t, g)
+	eng, rdb, prefix, ctx := e.eng, e.rdb, e.prefix, context.Background()
+	var err error
 	lim := throttle.PerSecond(10, 0)
 	req := throttle.Request{N: 1, MaxWait: throttle.Forever}
 	booked := func(key string) {
@@ -171,11 +175,8 @@ func skew(f func(reply []any)) *replyHook {
 // ErrReplyLost, not a booking made up of the reply's numbers.
 func TestBookRetryReplyMustAgree(t *testing.T) {
 	t.Parallel()
-	srv := redistest.Shared(t)
-	rdb := srv.Client(t)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(5*time.Second))
-	require.NoError(t, err)
-	ctx := context.Background()
+	e := newEnv(t)
+	eng, rdb, ctx := e.eng, e.rdb, context.Background()
 	require.NoError(t, eng.Load(ctx))
 	lim := throttle.PerSecond(10, 0)
 	for name, f := range map[string]func([]any){
