@@ -326,11 +326,11 @@ func (l *Limiter) ReserveN(ctx context.Context, key string, n int) (*Reservation
 	if c.ended { // ended after the check above, before anything was sent
 		return nil, c.res.err
 	}
-	if c.res != nil && c.res.OK() && ctx.Err() != nil {
+	if c.res != nil && ctx.Err() != nil {
 		// A merged call is not cut short by its callers' contexts (see
 		// throttle.WithMerging): ended in flight, the caller never had
-		// its booking, and gets its context's error, as a coalesced
-		// caller does.
+		// its answer, and gets its context's error (a booking goes back),
+		// as a coalesced caller does.
 		return c.finish()
 	}
 	return c.res, c.err
