@@ -3,10 +3,8 @@ package throttle
 import (
 	"context"
 	"fmt"
-	"math/rand/v2"
 	"strconv"
 	"strings"
-	"sync/atomic"
 	"time"
 )
 
@@ -196,29 +194,32 @@ func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, r
 		e.observer.ObserveDecision(label(keys[0]), Booked, out.Wait)
 		return out, nil
 	}
+	if status < 0 || status > 3 {
+		return unread("unexpected reply: status %d", status)
+	}
+	// judge works the booking out from the TATs the script judged it
+	// against, as for BookAll, and checks that the reply agrees (booked
+	// exactly when within the max wait); the wait must be the one they
+	// give. vals: {now, tat_1 .. tat_m, booked}, then room for the ends.
 	tats, err := int64s(arr[3:len(arr)-1], m)
 	if err != nil {
 		return unread("%w", err)
 	}
-	// The script books the request exactly if its wait, worked out from
-	// the TATs it was judged against, is within its max wait (and records
-	// it, status 3, only if booked): a reply that disagrees was not made
-	// by this engine's script.
-	slot := now
-	for k, l := range limits {
-		slot = max(slot, tats[k]+int64(req.N-1)*l.intervalMicros()-l.tauMicros())
+	vals := make([]int64, 2+2*m)
+	vals[0] = now
+	copy(vals[1:], tats)
+	if status != 0 {
+		vals[1+m] = 1
 	}
-	if status < 0 || status > 3 || wait != slot-now || (status != 0) == (wait > req.maxWaitMicros()) {
-		return unread("unexpected reply: status %d, wait %dµs (%dµs by the TATs), max wait %v", status, wait, slot-now, req.MaxWait)
+	bs, err := judge(vals, limits, []Request{req})
+	if err != nil {
+		return unread("%w", err)
 	}
-	b := Booking{OK: status != 0, N: req.N, Wait: time.Duration(wait) * time.Microsecond, At: time.UnixMicro(now + wait),
-		now: now, starts: tats, ends: tats}
+	b := bs[0]
+	if b.Wait != time.Duration(wait)*time.Microsecond {
+		return unread("unexpected reply: wait %dµs, %v by the TATs", wait, b.Wait)
+	}
 	if b.OK {
-		b.id, b.way = rand.Uint64(), new(atomic.Uint32)
-		b.ends = make([]int64, m)
-		for k, l := range limits {
-			b.ends[k] = max(b.starts[k], slot) + int64(req.N)*l.intervalMicros()
-		}
 		e.observer.ObserveDecision(label(keys[0]), Booked, b.Wait)
 	} else {
 		e.observer.ObserveDecision(label(keys[0]), Refused, b.Wait)
