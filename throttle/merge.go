@@ -246,9 +246,10 @@ func (m *merger) lead(ctx context.Context, batch *mergeBatch, it *mergeItem) mer
 }
 
 // due is when a batch forming now, or a booking sent again alone now,
-// goes without a flight token: zero for never.
+// goes without a flight token: zero for never (or where there are no
+// flight tokens, and so no wait for one).
 func (m *merger) due() time.Time {
-	if m.wait >= Forever {
+	if m.flight == nil || m.wait >= Forever {
 		return time.Time{}
 	}
 	return time.Now().Add(m.wait)
