@@ -32,6 +32,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/internal/callcount"
+	"github.com/slotbook/slotbook/internal/limitcheck"
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/reserve"
 	"github.com/slotbook/slotbook/throttle"
@@ -50,16 +51,6 @@ func rmaEngine(t *testing.T, srv *redistest.Server, opts ...throttle.Option) (*t
 	return eng, p, callcount.Attach(rdb)
 }
 
-// rmaInterval is the limit's emission interval in whole µs, rounded up, as
-// a limit is documented to be enforced (never faster than the limit).
-func rmaInterval(l throttle.Limit) int64 {
-	ns := l.Period.Nanoseconds() / int64(l.Rate)
-	if l.Period.Nanoseconds()%int64(l.Rate) != 0 {
-		ns++
-	}
-	return (ns + 999) / 1000
-}
-
 type rmaSlot struct {
 	at int64 // µs, Redis clock
 	n  int
@@ -71,7 +62,7 @@ func rmaArrivalCurve(t *testing.T, lim throttle.Limit, slots []rmaSlot, what str
 	t.Helper()
 	s := slices.Clone(slots)
 	slices.SortFunc(s, func(a, b rmaSlot) int { return int(a.at - b.at) })
-	I := rmaInterval(lim)
+	I := limitcheck.Interval(lim)
 	for i := range s {
 		units := 0
 		for j := i; j < len(s); j++ {
@@ -89,7 +80,7 @@ func rmaArrivalCurve(t *testing.T, lim throttle.Limit, slots []rmaSlot, what str
 type rmaVS struct{ I, tau, tat int64 }
 
 func rmaNewVS(l throttle.Limit) rmaVS {
-	I := rmaInterval(l)
+	I := limitcheck.Interval(l)
 	return rmaVS{I: I, tau: int64(l.Burst) * I}
 }
 

@@ -14,7 +14,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"sort"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -22,100 +21,29 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/slotbook/slotbook/internal/limitcheck"
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/pool"
 	"github.com/slotbook/slotbook/reserve"
 	"github.com/slotbook/slotbook/throttle"
 )
 
-// m3Held is a booking a caller holds: what it asked for and its Booking.
-type m3Held struct {
-	b throttle.Booking
-	n int
-}
-
-func (h m3Held) decided() int64 { return h.b.At.UnixMicro() - h.b.Wait.Microseconds() }
-
-// m3Judge: the textbook, n units at now on TAT tat (0 or passed: idle).
-func m3Judge(lim throttle.Limit, tat, now int64, n int) (wait, after int64) {
-	I := rmaInterval(lim)
-	tau := I * int64(lim.Burst)
-	t := max(tat, now)
-	slot := now
-	for j := range n {
-		slot = max(slot, t+int64(j)*I-tau)
-	}
-	after = t
-	for range n {
-		after = max(after, slot) + I
-	}
-	return slot - now, after
-}
-
-// m3Replay replays the held (booked) bookings of one key, from idle, and
-// returns the TAT they leave; bookings decided at one time (one call) may
-// come in any order: it looks for one that explains each wait.
-func m3Replay(lim throttle.Limit, held []m3Held) (int64, error) {
-	hs := append([]m3Held(nil), held...)
-	sort.SliceStable(hs, func(i, j int) bool { return hs[i].decided() < hs[j].decided() })
-	var tat int64
-	for i := 0; i < len(hs); {
-		j := i
-		for j < len(hs) && hs[j].decided() == hs[i].decided() {
-			j++
-		}
-		g := hs[i:j]
-		failed := map[uint64]bool{}
-		var solve func(mask uint64, tat int64) (int64, bool)
-		solve = func(mask uint64, tat int64) (int64, bool) {
-			if mask == 1<<len(g)-1 {
-				return tat, true
-			}
-			if failed[mask] {
-				return 0, false
-			}
-			for k, h := range g {
-				if mask&(1<<k) != 0 {
-					continue
-				}
-				if wait, after := m3Judge(lim, tat, h.decided(), h.n); wait == h.b.Wait.Microseconds() {
-					if end, ok := solve(mask|1<<k, after); ok {
-						return end, true
-					}
-				}
-			}
-			failed[mask] = true
-			return 0, false
-		}
-		if len(g) > 60 {
-			return 0, fmt.Errorf("%d bookings decided at once", len(g))
-		}
-		end, ok := solve(0, tat)
-		if !ok {
-			var desc []string
-			for _, h := range g {
-				w, _ := m3Judge(lim, tat, h.decided(), h.n)
-				desc = append(desc, fmt.Sprintf("{n=%d wait %dµs, textbook first %dµs}", h.n, h.b.Wait.Microseconds(), w))
-			}
-			return 0, fmt.Errorf("at %d (TAT %d): no order explains %v: booked twice, or a booking given back that stands", g[0].decided(), tat, desc)
-		}
-		tat = end
-		i = j
-	}
-	return tat, nil
+// m3Held is a booking a caller holds, as the textbook replay takes it.
+func m3Held(b throttle.Booking) limitcheck.Outcome {
+	return limitcheck.Outcome{Booking: b, N: 1, MaxWait: throttle.Forever}
 }
 
 // m3Probe checks, with a probe booking of one unit under l's limit (first
 // limit only), that key is in the state held leaves it in. The probe's
 // limiter must accept any wait (it books; the caller gives it back).
-func m3Probe(t *testing.T, l *reserve.Limiter, key string, held []m3Held, what string) {
+func m3Probe(t *testing.T, l *reserve.Limiter, key string, held []limitcheck.Outcome, what string) {
 	t.Helper()
-	tat, err := m3Replay(l.Limit(), held)
+	tat, err := limitcheck.Replay(l.Limit(), 0, held)
 	require.NoError(t, err, "%s: %s", what, key)
 	r, err := l.Reserve(context.Background(), key)
 	require.NoError(t, err, "%s: probe %s", what, key)
 	b := r.Booking()
-	want, _ := m3Judge(l.Limit(), tat, b.At.UnixMicro()-b.Wait.Microseconds(), 1)
+	_, want, _ := limitcheck.Judge(l.Limit(), tat, b.At.UnixMicro()-b.Wait.Microseconds(), 1, throttle.Forever)
 	require.Equal(t, want, b.Wait.Microseconds(), "%s: %s: probe's wait (textbook over the %d bookings held)", what, key, len(held))
 }
 
@@ -196,12 +124,12 @@ func m3EndedSide(t *testing.T, side string, co bool) string {
 		require.Less(t, round, 6, "never merged in flight")
 		subject := fmt.Sprintf("s%d", round)
 		key := prefix + name + ":{" + subject + "}"
-		var held []m3Held
+		var held []limitcheck.Outcome
 		if side == "cancel-refused" { // the key busy: the caller's request is refused
 			r, err := probeL.Reserve(bg, subject)
 			require.NoError(t, err)
 			require.True(t, r.OK())
-			held = append(held, m3Held{b: r.Booking(), n: 1})
+			held = append(held, m3Held(r.Booking()))
 		}
 		p.SetReplyDelay(150 * time.Millisecond)
 		lone := make(chan error, 1)
@@ -253,7 +181,7 @@ func m3EndedSide(t *testing.T, side string, co bool) string {
 		got := m3Outcome(a.r, a.err)
 		t.Logf("%s, coalescing %v: %s (answered after %v)", side, co, got, took)
 		if a.err == nil && a.r.OK() {
-			held = append(held, m3Held{b: a.r.Booking(), n: 1}) // its holder's
+			held = append(held, m3Held(a.r.Booking())) // its holder's
 		}
 		m3Probe(t, probeL, subject, held, side)
 		// The ended caller's call was merged: a refused, or an errored,
@@ -288,8 +216,8 @@ func TestReviewM3EndedInFlightRace(t *testing.T) {
 	acq, acqProbe := mk("m3a", wide, reserve.WithoutMaxWait()), mk("m3a", wide, reserve.WithoutMaxWait())
 	p.SetReplyDelay(30 * time.Millisecond)
 	const callers, rounds = 32, 6
-	held := make([][]m3Held, callers)
-	aheld := make([][]m3Held, callers)
+	held := make([][]limitcheck.Outcome, callers)
+	aheld := make([]int, callers) // Acquire bookings held
 	var outcomes sync.Map
 	count := func(s string) {
 		v, _ := outcomes.LoadOrStore(s, new(atomic.Int64))
@@ -316,7 +244,7 @@ func TestReviewM3EndedInFlightRace(t *testing.T) {
 					err := acq.Acquire(ctx, subject)
 					cancel()
 					if err == nil {
-						aheld[g] = append(aheld[g], m3Held{b: throttle.Booking{}, n: 1}) // placeholder, filled below
+						aheld[g]++
 					}
 					count(fmt.Sprintf("Acquire: %v", err == nil))
 					continue
@@ -327,7 +255,7 @@ func TestReviewM3EndedInFlightRace(t *testing.T) {
 				}
 				r, err := l.Reserve(ctx, subject)
 				if err == nil && r.OK() {
-					held[g] = append(held[g], m3Held{b: r.Booking(), n: 1})
+					held[g] = append(held[g], m3Held(r.Booking()))
 				}
 				count(func() string {
 					s := m3Outcome(r, err)
@@ -354,14 +282,14 @@ func TestReviewM3EndedInFlightRace(t *testing.T) {
 		b := r.Booking()
 		// Each held Acquire booking was immediate, decided within the run
 		// (seconds, under the 10 min interval): the probe is immediate.
-		require.Zero(t, b.Wait, "c%d: Acquire subject (%d held): probe waits", g, len(aheld[g]))
+		require.Zero(t, b.Wait, "c%d: Acquire subject (%d held): probe waits", g, aheld[g])
 		// Units still free after the probe: Burst+1 - held - 1, as Allow's
 		// Remaining tells; the textbook: each unit held costs one interval.
 		res, err := eng.AllowN(context.Background(), "m3a:{"+fmt.Sprintf("c%d", g)+"}", wide, 1)
 		require.NoError(t, err)
-		if len(aheld[g])+2 <= wide.Burst+1 {
-			require.True(t, res.Allowed, "c%d: %d held + probe: another unit must fit", g, len(aheld[g]))
-			require.Equal(t, wide.Burst+1-len(aheld[g])-2, res.Remaining, "c%d: %d Acquire bookings held, then a probe and an Allow: room left", g, len(aheld[g]))
+		if aheld[g]+2 <= wide.Burst+1 {
+			require.True(t, res.Allowed, "c%d: %d held + probe: another unit must fit", g, aheld[g])
+			require.Equal(t, wide.Burst+1-aheld[g]-2, res.Remaining, "c%d: %d Acquire bookings held, then a probe and an Allow: room left", g, aheld[g])
 		}
 	}
 }
@@ -449,8 +377,8 @@ func TestReviewM3PoolAndReserveAtLatency(t *testing.T) {
 	const keys = 24
 	var (
 		mu      sync.Mutex
-		jobs    = map[string][]m3Held{}
-		res     = map[string][]m3Held{}
+		jobs    = map[string][]limitcheck.Outcome{}
+		res     = map[string][]limitcheck.Outcome{}
 		ran     atomic.Int64
 		wg      sync.WaitGroup
 		errc    = make(chan error, 4*keys)
@@ -499,7 +427,7 @@ func TestReviewM3PoolAndReserveAtLatency(t *testing.T) {
 					fail("%s: one job twice", key)
 				}
 				mu.Lock()
-				jobs[key] = append(jobs[key], m3Held{b: r.Booking(), n: 1})
+				jobs[key] = append(jobs[key], m3Held(r.Booking()))
 				mu.Unlock()
 			}
 			for range 6 {
@@ -525,7 +453,7 @@ func TestReviewM3PoolAndReserveAtLatency(t *testing.T) {
 							return
 						}
 						mu.Lock()
-						res[key] = append(res[key], m3Held{b: r.Booking(), n: 1})
+						res[key] = append(res[key], m3Held(r.Booking()))
 						mu.Unlock()
 					})
 				}
@@ -544,11 +472,11 @@ func TestReviewM3PoolAndReserveAtLatency(t *testing.T) {
 		for _, c := range []struct {
 			l    *reserve.Limiter
 			key  string
-			held []m3Held
+			held []limitcheck.Outcome
 		}{{lp, fmt.Sprintf("p%d", k), jobs[fmt.Sprintf("p%d", k)]}, {lr, fmt.Sprintf("r%d", k), res[fmt.Sprintf("r%d", k)]}} {
 			var slots []rmaSlot
 			for _, h := range c.held {
-				slots = append(slots, rmaSlot{at: h.b.At.UnixMicro(), n: h.n})
+				slots = append(slots, rmaSlot{at: h.Booking.At.UnixMicro(), n: h.N})
 			}
 			rmaArrivalCurve(t, lim, slots, c.key)
 			m3Probe(t, c.l, c.key, c.held, "40 ms, default merging")

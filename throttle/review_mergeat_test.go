@@ -28,6 +28,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/internal/callcount"
+	"github.com/slotbook/slotbook/internal/limitcheck"
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/internal/testhook"
 	"github.com/slotbook/slotbook/throttle"
@@ -343,7 +344,7 @@ type rmaCell struct {
 // textbook judge (virtual scheduling, cell by cell) of n units at now with
 // max wait mw (µs) under lim on k's TAT; it books them if they fit.
 func (k *rmaKey) judge(now int64, n int, mw int64) (ok bool, wait, before, after int64) {
-	I := textbookInterval(k.lim)
+	I := limitcheck.Interval(k.lim)
 	tau := I * int64(k.lim.Burst)
 	tat := max(k.tat, now)
 	slot := now
@@ -422,7 +423,7 @@ func TestReviewMergeAtMixedLatency(t *testing.T) {
 // mixedOp runs one random operation on k (whose lock is held) and checks
 // it against k's textbook state.
 func (r *rmaRig) mixedOp(ctx context.Context, rng *rand.Rand, k *rmaKey, singles, others, refunds, allows *atomic.Int64) error {
-	I := textbookInterval(k.lim)
+	I := limitcheck.Interval(k.lim)
 	switch op := rng.IntN(10); {
 	case op < 5 || (op < 7 && len(k.stand) == 0): // single booking (merged or alone)
 		n := 1 + rng.IntN(k.lim.Burst+1)
@@ -582,7 +583,7 @@ func requireWithinLimit(t *testing.T, k *rmaKey) {
 		}
 	}
 	sort.Slice(at, func(i, j int) bool { return at[i] < at[j] })
-	I := textbookInterval(k.lim)
+	I := limitcheck.Interval(k.lim)
 	for i := range at {
 		for j := i; j < len(at); j++ {
 			if int64(j-i+1) > (at[j]-at[i])/I+int64(k.lim.Burst)+1 {
@@ -653,7 +654,7 @@ func TestReviewMergeAtCorners(t *testing.T) {
 			}
 			slices.Sort(slots)
 			for i := range slots {
-				require.Equal(t, now+int64(i)*textbookInterval(rmaLim), slots[i], "slot %d at the test clock", i)
+				require.Equal(t, now+int64(i)*limitcheck.Interval(rmaLim), slots[i], "slot %d at the test clock", i)
 			}
 		})
 	}

@@ -15,7 +15,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"sort"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -24,94 +23,10 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
+	"github.com/slotbook/slotbook/internal/limitcheck"
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/throttle"
 )
-
-// m3Rec is one booking asked for and what came back.
-type m3Rec struct {
-	b  throttle.Booking
-	n  int
-	mw time.Duration
-}
-
-func (r m3Rec) decided() int64 { return r.b.At.UnixMicro() - r.b.Wait.Microseconds() }
-
-// m3Judge is the textbook: n units at now, max wait mw, on TAT tat (0 or
-// past: idle). Booked iff the wait (whole µs) is within mw as given (no
-// rounding of mw but the horizon's cap).
-func m3Judge(lim throttle.Limit, tat, now int64, n int, mw time.Duration) (ok bool, wait, after int64) {
-	I := textbookInterval(lim)
-	tau := I * int64(lim.Burst)
-	t := max(tat, now)
-	slot := now
-	for j := range n {
-		slot = max(slot, t+int64(j)*I-tau)
-	}
-	wait = slot - now
-	if time.Duration(wait)*time.Microsecond > min(mw, throttle.MaxHorizon) {
-		return false, wait, tat
-	}
-	after = t
-	for range n {
-		after = max(after, slot) + I
-	}
-	return true, wait, after
-}
-
-// m3Replay replays recs of one key, whose TAT was tat0 before them, on the
-// textbook, and returns the TAT it ends with.
-func m3Replay(lim throttle.Limit, tat0 int64, recs []m3Rec) (int64, error) {
-	recs = append([]m3Rec(nil), recs...)
-	sort.SliceStable(recs, func(i, j int) bool { return recs[i].decided() < recs[j].decided() })
-	tat := tat0
-	for i := 0; i < len(recs); {
-		j := i
-		for j < len(recs) && recs[j].decided() == recs[i].decided() {
-			j++
-		}
-		g := recs[i:j]
-		if len(g) > 30 {
-			return 0, fmt.Errorf("group of %d bookings at one time: too many to order", len(g))
-		}
-		failed := map[uint32]bool{}
-		var solve func(mask uint32, tat int64) (int64, bool)
-		solve = func(mask uint32, tat int64) (int64, bool) {
-			if mask == 1<<len(g)-1 {
-				return tat, true
-			}
-			if failed[mask] {
-				return 0, false
-			}
-			for k, r := range g {
-				if mask&(1<<k) != 0 {
-					continue
-				}
-				ok, wait, after := m3Judge(lim, tat, r.decided(), r.n, r.mw)
-				if ok != r.b.OK || wait != r.b.Wait.Microseconds() {
-					continue
-				}
-				if end, done := solve(mask|1<<k, after); done {
-					return end, true
-				}
-			}
-			failed[mask] = true
-			return 0, false
-		}
-		end, ok := solve(0, tat)
-		if !ok {
-			var desc []string
-			for _, r := range g {
-				ok, wait, _ := m3Judge(lim, tat, r.decided(), r.n, r.mw)
-				desc = append(desc, fmt.Sprintf("{n=%d mw=%v: got ok=%v wait=%dµs; textbook first ok=%v wait=%dµs}", r.n, r.mw, r.b.OK, r.b.Wait.Microseconds(), ok, wait))
-			}
-			return 0, fmt.Errorf("at %d (TAT %d, %dµs ahead): no order explains %v", g[0].decided(), tat, tat-g[0].decided(), desc)
-		}
-		tat = end
-		i = j
-	}
-	return tat, nil
-}
 
 // m3Key is one key of a run: its limit, how it was seeded, and what was
 // booked on it.
@@ -121,7 +36,7 @@ type m3Key struct {
 	seed string
 	tat0 int64
 	mu   sync.Mutex
-	recs []m3Rec
+	recs []limitcheck.Outcome
 }
 
 var m3Limits = []throttle.Limit{
@@ -145,7 +60,7 @@ func m3Seed(t *testing.T, r *rmaRig, k *m3Key) {
 	tm, err := r.direct.Time(ctx).Result()
 	require.NoError(t, err)
 	now := tm.UnixMicro()
-	I := textbookInterval(k.lim)
+	I := limitcheck.Interval(k.lim)
 	tau := I * int64(k.lim.Burst)
 	full := r.prefix + k.name
 	switch k.seed {
@@ -211,7 +126,7 @@ func m3Run(t *testing.T, r *rmaRig, callers, rounds int, seeds []string) {
 					continue
 				}
 				k.mu.Lock()
-				k.recs = append(k.recs, m3Rec{b: b, n: n, mw: mw})
+				k.recs = append(k.recs, limitcheck.Outcome{Booking: b, N: n, MaxWait: mw})
 				k.mu.Unlock()
 			}
 		})
@@ -226,20 +141,20 @@ func m3Run(t *testing.T, r *rmaRig, callers, rounds int, seeds []string) {
 	require.Less(t, calls, books.Load()*3/4, "too few bookings merged for the test to mean anything")
 	booked := 0
 	for _, k := range keys {
-		end, err := m3Replay(k.lim, k.tat0, k.recs)
+		end, err := limitcheck.Replay(k.lim, k.tat0, k.recs)
 		require.NoError(t, err, "%s (%v, seeded %s, TAT0 %d)", k.name, k.lim, k.seed, k.tat0)
 		// The state left: a probe (alone is fine) sees the replay's TAT.
 		b, err := r.eng.Book(context.Background(), k.name, k.lim, throttle.Request{N: 1, MaxWait: 0})
 		require.NoError(t, err)
-		ok, wait, _ := m3Judge(k.lim, end, b.At.UnixMicro()-b.Wait.Microseconds(), 1, 0)
+		ok, wait, _ := limitcheck.Judge(k.lim, end, b.At.UnixMicro()-b.Wait.Microseconds(), 1, 0)
 		require.Equal(t, ok, b.OK, "%s: probe", k.name)
 		require.Equal(t, wait, b.Wait.Microseconds(), "%s: probe wait", k.name)
 		rk := &rmaKey{name: k.name, lim: k.lim}
 		for _, x := range k.recs {
-			if x.b.OK {
+			if x.Booking.OK {
 				booked++
-				for range x.n {
-					rk.cells = append(rk.cells, rmaCell{at: x.b.At.UnixMicro()})
+				for range x.N {
+					rk.cells = append(rk.cells, rmaCell{at: x.Booking.At.UnixMicro()})
 				}
 			}
 		}

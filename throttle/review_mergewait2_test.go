@@ -26,6 +26,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/internal/callcount"
+	"github.com/slotbook/slotbook/internal/limitcheck"
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/throttle"
 )
@@ -101,7 +102,7 @@ func (r *rmaRig) mwBookedOnce(t *testing.T, o mwOutcome) {
 	require.Zero(t, o.b.Wait, "%s: an idle key's wait", o.key)
 	v, err := r.direct.Get(context.Background(), r.prefix+o.key).Int64()
 	require.NoError(t, err, o.key)
-	require.Equal(t, mwDecided(o.b)+textbookInterval(rmaLim), v, "%s: TAT after one booking (none twice, none lost)", o.key)
+	require.Equal(t, mwDecided(o.b)+limitcheck.Interval(rmaLim), v, "%s: TAT after one booking (none twice, none lost)", o.key)
 }
 
 // mwCtx is a context that ends after end (a deadline, or a cancel if stop);

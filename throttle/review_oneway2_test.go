@@ -18,6 +18,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/slotbook/slotbook/internal/limitcheck"
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/internal/testhook"
 	"github.com/slotbook/slotbook/throttle"
@@ -525,7 +526,7 @@ func TestReviewOWRemainingTextbook(t *testing.T) {
 			}
 			want := int64(1 << 62)
 			for i, l := range s.lims {
-				I := textbookInterval(l)
+				I := limitcheck.Interval(l)
 				tau := I * int64(l.Burst)
 				tat := t0 + now
 				if m.known[i] && m.tat[i] > tat {

@@ -10,18 +10,10 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
+	"github.com/slotbook/slotbook/internal/limitcheck"
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/throttle"
 )
-
-// textbookInterval is a limit's emission interval in microseconds, worked
-// out here (Period/Rate rounded up to a whole microsecond), not by the
-// library.
-func textbookInterval(l throttle.Limit) int64 {
-	ns := l.Period.Nanoseconds()
-	per := (ns + int64(l.Rate) - 1) / int64(l.Rate)
-	return (per + 999) / 1000
-}
 
 // textbookModel is a textbook GCRA (virtual scheduling), one TAT per limit,
 // in microseconds on the Redis clock; an absent TAT is the decision time.
@@ -39,7 +31,7 @@ func (m *textbookModel) judge(now int64, n int, maxWait int64) (ok bool, wait in
 	before = make([]int64, len(m.limits))
 	slot := now
 	for i, l := range m.limits {
-		I := textbookInterval(l)
+		I := limitcheck.Interval(l)
 		tau := I * int64(l.Burst)
 		tat := now
 		if m.known[i] && m.tat[i] > now {
@@ -62,7 +54,7 @@ func (m *textbookModel) judge(now int64, n int, maxWait int64) (ok bool, wait in
 			if slot > tat {
 				tat = slot
 			}
-			tat += textbookInterval(l)
+			tat += limitcheck.Interval(l)
 		}
 		m.tat[i], m.known[i] = tat, true
 	}
@@ -176,7 +168,7 @@ func opsAfterFlush(t *testing.T, eng *throttle.Engine, get func(string) (int64, 
 	lim := throttle.PerMinute(60, 3) // 1 s apart
 	day := throttle.PerDay(1000, 5)
 	keys := []string{"{k}", "{k}:day"}
-	I := textbookInterval(lim)
+	I := limitcheck.Interval(lim)
 
 	flush()
 	b, err := eng.Book(ctx, keys[0], lim, throttle.Request{N: 1, MaxWait: throttle.Forever})
@@ -224,7 +216,7 @@ func opsAfterFlush(t *testing.T, eng *throttle.Engine, get func(string) (int64, 
 	require.NoError(t, err)
 	// The day limit was idle: its TAT is the slot (set by the minute
 	// limit) plus its interval.
-	require.Equal(t, ba[0].At.UnixMicro()+textbookInterval(day), dayV, "BookAll after SCRIPT FLUSH booked the day limit once")
+	require.Equal(t, ba[0].At.UnixMicro()+limitcheck.Interval(day), dayV, "BookAll after SCRIPT FLUSH booked the day limit once")
 
 	flush()
 	res, err := eng.Allow(ctx, "{k}:allow", lim)

@@ -1,6 +1,8 @@
-// Package limitcheck checks, for tests, that a record of start times kept
-// to a limit: in any window W, no more than Burst + 1 + floor(W/interval)
-// starts.
+// Package limitcheck holds the tests' oracles, written from the definition
+// of the limit and sharing none of the engine's arithmetic: Windows checks
+// that a record of start times kept to a limit (in any window W, no more
+// than Burst + 1 + floor(W/interval) starts), and Replay checks booking
+// decisions, as the engine reported them, against a textbook GCRA (Judge).
 package limitcheck
 
 import (
