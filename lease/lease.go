@@ -336,8 +336,7 @@ func (s *Semaphore) acquire(ctx context.Context, key, mode string) (*Lease, bool
 	if mode == "try" {
 		select {
 		case l := <-w.grant:
-			s.obs.ObserveWait(s.name, time.Since(start), nil)
-			return l, true, nil
+			return s.handOut(ctx, l, start)
 		default: // not granted: it never joined the queue
 			s.abandon(key, w, false)
 			return nil, false, nil
@@ -346,17 +345,7 @@ func (s *Semaphore) acquire(ctx context.Context, key, mode string) (*Lease, bool
 	s.queued(key, w)
 	select {
 	case l := <-w.grant:
-		select {
-		case <-s.quit: // granted as Close began: never hand out a lease Close may not release
-			rctx, cancel := s.detach(ctx)
-			_ = l.Release(rctx)
-			cancel()
-			s.obs.ObserveWait(s.name, time.Since(start), ErrClosed)
-			return nil, false, ErrClosed
-		default:
-		}
-		s.obs.ObserveWait(s.name, time.Since(start), nil)
-		return l, true, nil
+		return s.handOut(ctx, l, start)
 	case <-ctx.Done():
 		err = ctx.Err()
 	case <-s.quit:
@@ -365,6 +354,24 @@ func (s *Semaphore) acquire(ctx context.Context, key, mode string) (*Lease, bool
 	s.abandon(key, w, true)
 	s.obs.ObserveWait(s.name, time.Since(start), err)
 	return nil, false, err
+}
+
+// handOut returns l, granted to an Acquire or TryAcquire that began at
+// start, to its caller, unless Close has begun meanwhile: Close releases
+// only the leases held when it begins, so one granted as it began is
+// released here instead, and the caller gets ErrClosed.
+func (s *Semaphore) handOut(ctx context.Context, l *Lease, start time.Time) (*Lease, bool, error) {
+	select {
+	case <-s.quit:
+		rctx, cancel := s.detach(ctx)
+		_ = l.Release(rctx)
+		cancel()
+		s.obs.ObserveWait(s.name, time.Since(start), ErrClosed)
+		return nil, false, ErrClosed
+	default:
+	}
+	s.obs.ObserveWait(s.name, time.Since(start), nil)
+	return l, true, nil
 }
 
 // Close stops the semaphore: waiting Acquire callers get ErrClosed (and
