@@ -43,7 +43,13 @@
 //
 // A waiter whose context ends leaves the queue in one call; if it was
 // granted a lease meanwhile, that call gives the lease back, so a waiter
-// that returns an error never holds a lease.
+// that returns an error never holds a lease. If that call fails (Redis
+// unreachable, the engine's breaker open, its reply lost), the keeper
+// sends it again every poll interval until it succeeds; Redis drops the
+// waiter, and a lease granted to it, within the TTL in any case. The
+// keeper does the same for a waiter that leaves while a keep call that
+// refreshes it is on its way, since that call may put it back in the
+// queue.
 //
 // # Cost
 //
@@ -83,8 +89,8 @@
 // empty key) is an error matching ErrInvalid, and no Redis call is made.
 // Redis failures are the engine's (throttle.ErrUnavailable,
 // throttle.ErrReplyLost), wrapped; an Acquire whose reply was lost leaves
-// the queue before it returns. ErrClosed is returned once the Semaphore
-// is closed.
+// the queue before it returns, or, when that call fails too, soon after
+// (see Waiting). ErrClosed is returned once the Semaphore is closed.
 //
 // # Metrics
 //

@@ -21,6 +21,11 @@ type room struct {
 	// blocking is set while the keeper blocks on the wake-up list (up to
 	// the poll interval): Close pushes an empty wake-up to end it.
 	blocking bool
+	// leaving holds, by id, the waiters that are gone but may still stand
+	// in Redis (a leave call that failed, or a keep call that may have put
+	// one back in the queue), with the time after which Redis has dropped
+	// them anyway; the keeper sends their leave calls (sendLeaves).
+	leaving map[string]time.Time
 }
 
 // A waiter is one Acquire call. A grant moves it from its room's waiters to
@@ -41,18 +46,26 @@ func (s *Semaphore) enter(key string) (*waiter, error) {
 	if s.closed {
 		return nil, ErrClosed
 	}
-	r := s.rooms[key]
-	if r == nil {
-		r = &room{key: key, waiters: make(map[string]*waiter), holds: make(map[string]*Lease), wake: make(chan struct{}, 1)}
-		s.rooms[key] = r
-		s.keeper.Add(1)
-		go s.keep(r)
-	}
+	r := s.roomLocked(key)
 	s.seq++
 	w := &waiter{id: s.proc + "." + strconv.FormatUint(s.seq, 36), grant: make(chan *Lease, 1)}
 	r.waiters[w.id] = w
 	s.obs.ObserveWaiting(s.name, 1)
 	return w, nil
+}
+
+// roomLocked returns key's room, creating it and starting its keeper if it
+// has none. s.mu is held, and s is not closed.
+func (s *Semaphore) roomLocked(key string) *room {
+	r := s.rooms[key]
+	if r == nil {
+		r = &room{key: key, waiters: make(map[string]*waiter), holds: make(map[string]*Lease),
+			wake: make(chan struct{}, 1), leaving: make(map[string]time.Time)}
+		s.rooms[key] = r
+		s.keeper.Add(1)
+		go s.keep(r)
+	}
+	return r
 }
 
 // queued records that w's acquire call has answered without granting it a
@@ -135,9 +148,59 @@ func (s *Semaphore) abandon(key string, w *waiter, leave bool) {
 	}
 	ctx, cancel := s.detach(context.Background())
 	defer cancel()
-	// If this fails, the waiter (no longer refreshed) leaves the queue,
-	// and its lease (no longer extended) lapses, within the TTL.
-	_, _ = s.run(ctx, leaveScript, key, w.id)
+	if _, err := s.run(ctx, leaveScript, key, w.id); err != nil {
+		s.retryLeave(key, w.id)
+	}
+}
+
+// retryLeave hands the leave call of the gone waiter id, which failed
+// (Redis unreachable, the engine's breaker open, a lost reply), to key's
+// keeper, which sends it again every poll interval until it succeeds or
+// the TTL has passed: by then Redis has dropped the waiter, unrefreshed,
+// and any lease granted to it, unextended. After Close it is not sent
+// again.
+func (s *Semaphore) retryLeave(key, id string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return
+	}
+	s.leavingLocked(s.roomLocked(key), id)
+}
+
+// leavingLocked adds id to r's leaving and wakes r's keeper. s.mu is held.
+func (s *Semaphore) leavingLocked(r *room, id string) {
+	r.leaving[id] = time.Now().Add(s.ttl)
+	select {
+	case r.wake <- struct{}{}:
+	default:
+	}
+}
+
+// sendLeaves sends the leave call of each of r's gone waiters, dropping
+// those it succeeds for and those past their time; after Close, every
+// one is tried once.
+func (s *Semaphore) sendLeaves(r *room) {
+	s.mu.Lock()
+	ids := make([]string, 0, len(r.leaving))
+	for id, until := range r.leaving {
+		if time.Now().After(until) {
+			delete(r.leaving, id)
+		} else {
+			ids = append(ids, id)
+		}
+	}
+	s.mu.Unlock()
+	for _, id := range ids {
+		ctx, cancel := s.detach(context.Background())
+		_, err := s.run(ctx, leaveScript, r.key, id)
+		cancel()
+		s.mu.Lock()
+		if err == nil || s.closed {
+			delete(r.leaving, id)
+		}
+		s.mu.Unlock()
+	}
 }
 
 // keep is a room's keeper: while the room exists it extends its leases
@@ -152,7 +215,7 @@ func (s *Semaphore) keep(r *room) {
 	wakeList := s.eng.Prefix() + s.keys(r.key)[5] + s.proc
 	for {
 		s.mu.Lock()
-		if len(r.waiters) == 0 && len(r.holds) == 0 {
+		if len(r.waiters) == 0 && len(r.holds) == 0 && len(r.leaving) == 0 {
 			delete(s.rooms, r.key)
 			s.mu.Unlock()
 			return
@@ -160,10 +223,15 @@ func (s *Semaphore) keep(r *room) {
 		waiting := r.waitingLocked()
 		r.blocking = waiting && s.blpop != nil && !s.closed
 		block := r.blocking
+		leaving, closed := len(r.leaving) > 0, s.closed
 		s.mu.Unlock()
 
+		if leaving && closed {
+			s.sendLeaves(r) // once
+			continue
+		}
 		interval := s.ttl / 3
-		if waiting {
+		if waiting || leaving {
 			interval = s.poll
 		}
 		until := time.Until(last.Add(interval))
@@ -240,10 +308,18 @@ func (s *Semaphore) block(list, key string, d time.Duration) {
 }
 
 // keepCall extends r's leases and refreshes its waiters in one call,
-// delivering grants and closing Lost for the leases that lapsed.
+// delivering grants and closing Lost for the leases that lapsed; then it
+// sends the leave calls of the gone waiters.
+//
+// A waiter that leaves while the keep call is on its way (its leave call
+// may reach Redis first) is put back in the queue by it, and may be
+// granted a lease nobody holds: its leave call is sent again after the
+// keep call.
 func (s *Semaphore) keepCall(r *room) {
+	defer s.sendLeaves(r)
 	s.mu.Lock()
-	args := []any{len(r.holds)}
+	h := len(r.holds)
+	args := []any{h}
 	for id := range r.holds {
 		args = append(args, id)
 	}
@@ -259,6 +335,13 @@ func (s *Semaphore) keepCall(r *room) {
 	ctx, cancel := s.detach(context.Background())
 	defer cancel()
 	rep, err := s.run(ctx, keepScript, r.key, args...)
+	s.mu.Lock()
+	for _, id := range args[1+h:] {
+		if id := id.(string); r.waiters[id] == nil && r.holds[id] == nil && !s.closed {
+			s.leavingLocked(r, id) // gone while the call was out
+		}
+	}
+	s.mu.Unlock()
 	if err != nil {
 		return // tried again at the next interval; the TTL allows two misses
 	}
