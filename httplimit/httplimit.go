@@ -31,7 +31,11 @@
 //     cannot be stored (WithPauseErrorHandler hears of it).
 //   - Requests already booked before the pause keep their slots in the
 //     shared limit. Those waiting in this Transport when it learns of the
-//     pause (its own 429) book again, behind the pause. Those waiting in
+//     pause (its own 429, as the response comes back) book again, behind
+//     the pause; its requests that book while the pause is being stored
+//     wait until Redis has it. If it cannot be stored, this Transport's
+//     requests wait it out before they book (or until their context
+//     ends), since the shared limit does not hold it. Those waiting in
 //     other processes go at their slots (at most one per caller waiting
 //     there at the time), unless WithPauseCheck is on: then a request that
 //     had to wait for its slot reads the key's pause (one more Redis call)
@@ -43,6 +47,8 @@ package httplimit
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net/http"
@@ -78,12 +84,16 @@ type Transport struct {
 	pauseCheck   bool
 	onPauseError func(req *http.Request, d time.Duration, err error)
 
-	mu     sync.Mutex       // guards paused
-	paused map[string]pause // per key, the last pause this Transport stored
+	mu     sync.Mutex        // guards paused
+	paused map[string]*pause // per key, the pause this Transport learnt of that ends last
 }
 
-// pause is a pause this Transport stored: when it was stored, and its end.
-type pause struct{ stored, until time.Time }
+// pause is a pause this Transport learnt of (its own 429 or 503).
+type pause struct {
+	learnt, until time.Time
+	stored        chan struct{} // closed once the call storing it in Redis has ended
+	unshared      bool          // that call failed; set before stored is closed, under Transport.mu
+}
 
 // An Option configures a Transport in New.
 type Option func(*Transport) error
@@ -154,7 +164,8 @@ func WithResetHeaders(on bool) Option {
 // it was booked (default off). On, no request reaches the upstream during
 // a pause stored before its slot came, at the cost of one more Redis call
 // (a read) for each request that waited; the pause also writes a marker
-// (one more key while it lasts, the subject key + "#pause"). Off, a
+// (one more key while it lasts, the subject key + "#pause", or "#pause#"
+// and the key's SHA-256 for a key too long for that). Off, a
 // request booked before a pause in another process is sent at its slot. If
 // the check cannot reach Redis the request is sent: its slot was booked.
 func WithPauseCheck(on bool) Option {
@@ -187,7 +198,7 @@ func New(lim *reserve.Limiter, opts ...Option) (*Transport, error) {
 		base: http.DefaultTransport, lim: lim, key: ByHost,
 		maxPause: DefaultMaxPause, pauseTimeout: DefaultPauseTimeout,
 		onPauseError: func(*http.Request, time.Duration, error) {},
-		paused:       make(map[string]pause),
+		paused:       make(map[string]*pause),
 	}
 	for _, opt := range opts {
 		if err := opt(t); err != nil {
@@ -257,13 +268,23 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		return resp, err
 	}
 	if d, ok := t.pauseFor(resp.Header, time.Now()); ok && d > 0 {
+		// This Transport's own waiters heed the pause from now on, not
+		// from when Redis has it (a round trip later), nor only if it
+		// does.
+		now := time.Now()
+		p := &pause{learnt: now, until: now.Add(d), stored: make(chan struct{})}
+		t.remember(key, p)
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(req.Context()), t.pauseTimeout)
 		defer cancel()
-		stored := time.Now()
-		if err := t.storePause(ctx, key, d); err != nil {
+		err := t.storePause(ctx, key, d)
+		if err != nil {
+			t.mu.Lock()
+			p.unshared = true
+			t.mu.Unlock()
+		}
+		close(p.stored)
+		if err != nil {
 			t.onPauseError(req, d, err)
-		} else {
-			t.remember(key, pause{stored: stored, until: stored.Add(d)})
 		}
 	}
 	return resp, nil
@@ -275,6 +296,9 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 // and with WithPauseCheck one any process stored.
 func (t *Transport) acquire(ctx context.Context, key string) error {
 	for {
+		if err := t.heed(ctx, key); err != nil {
+			return err
+		}
 		asked := time.Now()
 		r, err := t.lim.Reserve(ctx, key)
 		if err != nil {
@@ -290,7 +314,7 @@ func (t *Transport) acquire(ctx context.Context, key string) error {
 		if !t.pauseCheck || !waited {
 			return nil
 		}
-		if st, err := t.lim.State(ctx, pauseMarker(key)); err != nil || st.Wait == 0 {
+		if st, err := t.lim.State(ctx, t.pauseMarker(key)); err != nil || st.Wait == 0 {
 			return nil // no pause (or none to be read: the slot was booked)
 		}
 	}
@@ -298,27 +322,34 @@ func (t *Transport) acquire(ctx context.Context, key string) error {
 
 // pauseMarker is the subject whose state marks key's pause for
 // WithPauseCheck: paused along with key, it is otherwise never booked, so
-// its wait is exactly the time left of the pause.
-func pauseMarker(key string) string { return key + "#pause" }
+// its wait is exactly the time left of the pause. It is key + "#pause",
+// or, for a key too long for that, "#pause#" and the key's SHA-256.
+func (t *Transport) pauseMarker(key string) string {
+	if m := key + "#pause"; t.lim.CheckKey(m) == nil {
+		return m
+	}
+	sum := sha256.Sum256([]byte(key))
+	return "#pause#" + hex.EncodeToString(sum[:])
+}
 
 // storePause pauses key for d for every process: first its marker (with
 // WithPauseCheck), so that no process can read "not paused" once the key is.
 func (t *Transport) storePause(ctx context.Context, key string, d time.Duration) error {
 	if t.pauseCheck {
-		if err := t.lim.Pause(ctx, pauseMarker(key), d); err != nil {
+		if err := t.lim.Pause(ctx, t.pauseMarker(key), d); err != nil {
 			return err
 		}
 	}
 	return t.lim.Pause(ctx, key, d)
 }
 
-// remember records a pause this Transport stored, and forgets pauses that
+// remember records a pause this Transport learnt of, and forgets pauses that
 // have ended.
-func (t *Transport) remember(key string, p pause) {
+func (t *Transport) remember(key string, p *pause) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for k, old := range t.paused {
-		if !old.until.After(p.stored) {
+		if !old.until.After(p.learnt) {
 			delete(t.paused, k)
 		}
 	}
@@ -327,13 +358,46 @@ func (t *Transport) remember(key string, p pause) {
 	}
 }
 
-// pausedSince reports whether a pause of key stored after since is still
+// heed waits, before a booking of key, until a pause of key this
+// Transport learnt of is stored in Redis, so that the booking comes after
+// it there; if storing it failed, until the pause has ended, since the
+// shared limit may grant slots inside it. It returns ctx's error if ctx
+// ends first.
+func (t *Transport) heed(ctx context.Context, key string) error {
+	t.mu.Lock()
+	p := t.paused[key]
+	t.mu.Unlock()
+	if p == nil || !time.Now().Before(p.until) {
+		return nil
+	}
+	select {
+	case <-p.stored:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	t.mu.Lock()
+	unshared := p.unshared
+	t.mu.Unlock()
+	if !unshared {
+		return nil
+	}
+	timer := time.NewTimer(time.Until(p.until))
+	defer timer.Stop()
+	select {
+	case <-timer.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// pausedSince reports whether a pause of key learnt of after since is still
 // in force.
 func (t *Transport) pausedSince(key string, since time.Time) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	p, ok := t.paused[key]
-	return ok && p.stored.After(since) && time.Now().Before(p.until)
+	return ok && p.learnt.After(since) && time.Now().Before(p.until)
 }
 
 // pauseFor returns the pause a 429 or 503 response's headers ask for, at
