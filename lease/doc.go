@@ -16,9 +16,13 @@
 // of their last extension; the next call on the key drops them (counted by
 // Observer.ObserveExpired). A holder that stalls for longer than the TTL
 // finds its lease lost (Lease.Lost is closed, Release returns ErrLost).
-// Each lease carries a fencing token, larger than every token granted
-// before it for the key, for resources that must refuse a holder whose
-// lease has lapsed.
+// So does a holder cut off from Redis: Lost is closed once no extension
+// has succeeded for the TTL after the last successful one was sent,
+// timed on the process's own clock, which is no later than Redis lets
+// the lease lapse and another process take its place. Each lease
+// carries a fencing token, larger than every token granted before it
+// for the key, for resources that must refuse a holder whose lease has
+// lapsed.
 //
 // # Waiting
 //
@@ -71,7 +75,11 @@
 // rate keys' tag, so a Redis Cluster holds them on one node, and all but
 // the counter expire when the subject is idle. The counter is kept so
 // that tokens stay monotonic; it is one small integer per subject ever
-// leased.
+// leased. Tokens are monotonic only as long as Redis keeps the counter:
+// a Redis restarted without persistence, or a failover to a replica that
+// had not received the last grants, starts it again lower, so a resource
+// that fences by token should run against a Redis that persists (AOF) and
+// fails over without losing writes (or use WAIT-backed replicas).
 //
 // # Rate and concurrency together
 //

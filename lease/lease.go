@@ -48,7 +48,8 @@ var ErrClosed = errors.New("lease: semaphore closed")
 // ErrLost is returned by Release for a lease that had lapsed before it was
 // released: it was not extended in time (the process stalled, or Redis was
 // unreachable, for longer than the TTL), so another holder may have run
-// alongside it. Lease.Lost is closed when the lapse is found.
+// alongside it. Lease.Lost is closed when the lapse is found, or once it
+// may have happened.
 var ErrLost = errors.New("lease: lease lapsed before it was released")
 
 // Defaults and bounds for New.
@@ -230,11 +231,23 @@ type Lease struct {
 	key   string
 	id    string
 	token int64
-	lost  chan struct{} // closed when the lease is found lapsed
+	lost  chan struct{} // closed when the lease is found lapsed, or may have
 
 	// Guarded by sem.mu.
 	released bool
 	wasLost  bool
+	// deadline is when the lease may lapse in Redis, on this process's
+	// clock: the TTL after the latest call that granted or extended it
+	// was sent (for a grant made by another process's call, after the
+	// latest call that found its waiter not yet granted). lapse closes
+	// lost then, unless an extension has moved it.
+	deadline time.Time
+	timer    *time.Timer // runs lapse at deadline
+	// fresh marks a lease granted with less than 2/3 of the TTL left by
+	// its deadline (granted by another process's call, or found by a poll,
+	// while its waiter's latest refresh was a while ago): the keeper
+	// extends it at once rather than at its next interval.
+	fresh bool
 }
 
 // Key returns the key the lease is for.
@@ -247,8 +260,12 @@ func (l *Lease) Key() string { return l.key }
 func (l *Lease) Token() int64 { return l.token }
 
 // Lost is closed if the lease is found to have lapsed before it was
-// released (an extension came too late): the holder should stop, since
-// another may now hold its place.
+// released (an extension came too late), or once it may have: when no
+// extension sent within the TTL of the last successful one has succeeded
+// (Redis unreachable, the process stalled), measured on this process's
+// clock from when that call was sent, so that Lost is closed no later
+// than Redis lets the lease lapse. The holder should stop, since another
+// may now hold its place.
 func (l *Lease) Lost() <-chan struct{} { return l.lost }
 
 // Release gives the lease back and wakes the next waiter, in one Redis
@@ -263,6 +280,7 @@ func (l *Lease) Release(ctx context.Context) error {
 		return nil
 	}
 	l.released = true
+	l.timer.Stop()
 	wasLost := l.wasLost
 	if r := s.rooms[l.key]; r != nil && r.holds[l.id] == l {
 		delete(r.holds, l.id)
@@ -287,10 +305,40 @@ func (l *Lease) Release(ctx context.Context) error {
 func (s *Semaphore) markLost(l *Lease) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.markLostLocked(l)
+}
+
+// markLostLocked is markLost with s.mu held.
+func (s *Semaphore) markLostLocked(l *Lease) {
 	if !l.wasLost {
 		l.wasLost = true
+		l.timer.Stop()
 		close(l.lost)
 	}
+}
+
+// lapse runs at l's deadline: unless l was released, found lost, or
+// extended meanwhile (then it waits for the new deadline), l may have
+// lapsed in Redis. It is no longer extended, its Lost is closed, and its
+// keeper gives it back in Redis (a leave call) in case it still stands.
+func (s *Semaphore) lapse(l *Lease) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if l.released || l.wasLost {
+		return
+	}
+	if d := time.Until(l.deadline); d > 0 {
+		l.timer.Reset(d)
+		return
+	}
+	if r := s.rooms[l.key]; r != nil && r.holds[l.id] == l {
+		delete(r.holds, l.id)
+		s.obs.ObserveHeld(s.name, -1)
+		if !s.closed {
+			s.leavingLocked(r, l.id)
+		}
+	}
+	s.markLostLocked(l)
 }
 
 // Acquire waits for a lease for key and returns it. Waiters are served

@@ -36,6 +36,10 @@ type waiter struct {
 	id     string
 	grant  chan *Lease // cap 1
 	queued bool        // its acquire call has answered and it waits in the queue
+	// since is when the latest call that found it not yet granted (or its
+	// acquire call, which put it in the queue) was sent: a lease granted
+	// to it cannot have been granted, in Redis, before then.
+	since time.Time
 }
 
 // enter registers a new waiter for key, creating the key's room (and
@@ -48,7 +52,7 @@ func (s *Semaphore) enter(key string) (*waiter, error) {
 	}
 	r := s.roomLocked(key)
 	s.seq++
-	w := &waiter{id: s.proc + "." + strconv.FormatUint(s.seq, 36), grant: make(chan *Lease, 1)}
+	w := &waiter{id: s.proc + "." + strconv.FormatUint(s.seq, 36), grant: make(chan *Lease, 1), since: time.Now()}
 	r.waiters[w.id] = w
 	s.obs.ObserveWaiting(s.name, 1)
 	return w, nil
@@ -114,7 +118,9 @@ func (s *Semaphore) deliver(key string, gs []grant) {
 			continue // given up, or delivered already
 		}
 		delete(r.waiters, g.id)
-		l := &Lease{sem: s, key: key, id: g.id, token: g.token, lost: make(chan struct{})}
+		l := &Lease{sem: s, key: key, id: g.id, token: g.token, lost: make(chan struct{}), deadline: w.since.Add(s.ttl)}
+		l.timer = time.AfterFunc(time.Until(l.deadline), func() { s.lapse(l) })
+		l.fresh = time.Until(l.deadline) < 2*s.ttl/3
 		r.holds[g.id] = l
 		s.obs.ObserveWaiting(s.name, -1)
 		s.obs.ObserveHeld(s.name, 1)
@@ -136,6 +142,7 @@ func (s *Semaphore) abandon(key string, w *waiter, leave bool) {
 		// unless the keeper has found it lapsed).
 		l := <-w.grant
 		l.released = true
+		l.timer.Stop()
 		if r != nil && r.holds[l.id] == l {
 			delete(r.holds, l.id)
 			s.obs.ObserveHeld(s.name, -1)
@@ -220,14 +227,23 @@ func (s *Semaphore) keep(r *room) {
 			s.mu.Unlock()
 			return
 		}
+		fresh := false
+		for _, l := range r.holds {
+			fresh = fresh || l.fresh
+		}
 		waiting := r.waitingLocked()
-		r.blocking = waiting && s.blpop != nil && !s.closed
+		r.blocking = waiting && s.blpop != nil && !s.closed && !fresh
 		block := r.blocking
 		leaving, closed := len(r.leaving) > 0, s.closed
 		s.mu.Unlock()
 
 		if leaving && closed {
 			s.sendLeaves(r) // once
+			continue
+		}
+		if fresh && !closed {
+			last = time.Now()
+			s.keepCall(r)
 			continue
 		}
 		interval := s.ttl / 3
@@ -320,8 +336,9 @@ func (s *Semaphore) keepCall(r *room) {
 	s.mu.Lock()
 	h := len(r.holds)
 	args := []any{h}
-	for id := range r.holds {
+	for id, l := range r.holds {
 		args = append(args, id)
+		l.fresh = false
 	}
 	for id, w := range r.waiters {
 		if w.queued {
@@ -334,11 +351,29 @@ func (s *Semaphore) keepCall(r *room) {
 	}
 	ctx, cancel := s.detach(context.Background())
 	defer cancel()
+	sent := time.Now()
 	rep, err := s.run(ctx, keepScript, r.key, args...)
 	s.mu.Lock()
 	for _, id := range args[1+h:] {
-		if id := id.(string); r.waiters[id] == nil && r.holds[id] == nil && !s.closed {
+		id := id.(string)
+		switch w := r.waiters[id]; {
+		case w != nil:
+			if err == nil {
+				w.since = sent // not granted when the call ran
+			}
+		case r.holds[id] == nil && !s.closed:
 			s.leavingLocked(r, id) // gone while the call was out
+		}
+	}
+	if err == nil {
+		lapsed := make(map[string]bool, len(rep.extra))
+		for _, id := range rep.extra {
+			lapsed[id] = true
+		}
+		for _, id := range args[1 : 1+h] {
+			if l := r.holds[id.(string)]; l != nil && !lapsed[l.id] {
+				l.deadline = sent.Add(s.ttl) // extended when the call ran
+			}
 		}
 	}
 	s.mu.Unlock()
