@@ -34,8 +34,10 @@
 //     pause (its own 429, as the response comes back) book again, behind
 //     the pause; its requests that book while the pause is being stored
 //     wait until Redis has it. If it cannot be stored, this Transport's
-//     requests wait it out before they book (or until their context
-//     ends), since the shared limit does not hold it. Those waiting in
+//     requests wait it out before they book, since the shared limit does
+//     not hold it, or are refused at once (as the limiter refuses, with
+//     the pause's end as their retry-after) when it ends beyond their
+//     max wait or deadline. Those waiting in
 //     other processes go at their slots (at most one per caller waiting
 //     there at the time), unless WithPauseCheck is on: then a request that
 //     had to wait for its slot reads the key's pause (one more Redis call)
@@ -165,7 +167,8 @@ func WithResetHeaders(on bool) Option {
 // a pause stored before its slot came, at the cost of one more Redis call
 // (a read) for each request that waited; the pause also writes a marker
 // (one more key while it lasts, the subject key + "#pause", or "#pause#"
-// and the key's SHA-256 for a key too long for that). Off, a
+// and the key's SHA-256 for a key too long for that; New refuses it on a
+// limiter whose name leaves too little room for that marker). Off, a
 // request booked before a pause in another process is sent at its slot. If
 // the check cannot reach Redis the request is sent: its slot was booked.
 func WithPauseCheck(on bool) Option {
@@ -204,6 +207,9 @@ func New(lim *reserve.Limiter, opts ...Option) (*Transport, error) {
 		if err := opt(t); err != nil {
 			return nil, err
 		}
+	}
+	if t.pauseCheck && lim.CheckKey(strings.Repeat("x", len(hashMarkerPrefix)+2*sha256.Size)) != nil {
+		return nil, fmt.Errorf("httplimit: WithPauseCheck: the limiter's name %q leaves too little room for a key to hold a pause marker", lim.Name())
 	}
 	return t, nil
 }
@@ -271,9 +277,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		// This Transport's own waiters heed the pause from now on, not
 		// from when Redis has it (a round trip later), nor only if it
 		// does.
-		now := time.Now()
-		p := &pause{learnt: now, until: now.Add(d), stored: make(chan struct{})}
-		t.remember(key, p)
+		p := t.remember(key, d)
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(req.Context()), t.pauseTimeout)
 		defer cancel()
 		err := t.storePause(ctx, key, d)
@@ -296,10 +300,10 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 // and with WithPauseCheck one any process stored.
 func (t *Transport) acquire(ctx context.Context, key string) error {
 	for {
-		if err := t.heed(ctx, key); err != nil {
+		asked, err := t.heed(ctx, key)
+		if err != nil {
 			return err
 		}
-		asked := time.Now()
 		r, err := t.lim.Reserve(ctx, key)
 		if err != nil {
 			return err
@@ -329,8 +333,13 @@ func (t *Transport) pauseMarker(key string) string {
 		return m
 	}
 	sum := sha256.Sum256([]byte(key))
-	return "#pause#" + hex.EncodeToString(sum[:])
+	return hashMarkerPrefix + hex.EncodeToString(sum[:])
 }
+
+// hashMarkerPrefix begins the pause marker of a key too long for
+// key + "#pause"; New refuses WithPauseCheck on a limiter whose keys
+// cannot be that long.
+const hashMarkerPrefix = "#pause#"
 
 // storePause pauses key for d for every process: first its marker (with
 // WithPauseCheck), so that no process can read "not paused" once the key is.
@@ -343,52 +352,81 @@ func (t *Transport) storePause(ctx context.Context, key string, d time.Duration)
 	return t.lim.Pause(ctx, key, d)
 }
 
-// remember records a pause this Transport learnt of, and forgets pauses that
-// have ended.
-func (t *Transport) remember(key string, p *pause) {
+// remember records a pause of key for d that this Transport learnt of
+// now, unless one it knows of ends later, forgets pauses that have ended,
+// and returns the new pause (to be stored in Redis, then marked so).
+func (t *Transport) remember(key string, d time.Duration) *pause {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	now := time.Now() // under mu: see heed
+	p := &pause{learnt: now, until: now.Add(d), stored: make(chan struct{})}
 	for k, old := range t.paused {
-		if !old.until.After(p.learnt) {
+		if !old.until.After(now) {
 			delete(t.paused, k)
 		}
 	}
 	if old, ok := t.paused[key]; !ok || p.until.After(old.until) {
 		t.paused[key] = p
 	}
+	return p
 }
 
-// heed waits, before a booking of key, until a pause of key this
+// heed waits, before a booking of key, until every pause of key this
 // Transport learnt of is stored in Redis, so that the booking comes after
-// it there; if storing it failed, until the pause has ended, since the
-// shared limit may grant slots inside it. It returns ctx's error if ctx
-// ends first.
-func (t *Transport) heed(ctx context.Context, key string) error {
+// it there; a pause that could not be stored is waited out here, since the
+// shared limit may grant slots inside it, unless it ends beyond the
+// request's budget (the limiter's max wait, ctx's deadline less its work
+// estimate): then the request is refused at once, as the limiter refuses,
+// with the pause's end as its retry-after. It returns when the request
+// may book (asked: a pause learnt of after it was not heeded, see
+// pausedSince), or ctx's error if ctx ends first.
+func (t *Transport) heed(ctx context.Context, key string) (asked time.Time, err error) {
+	for {
+		t.mu.Lock()
+		p := t.paused[key]
+		now := time.Now()
+		if p == nil || !now.Before(p.until) {
+			t.mu.Unlock()
+			return now, nil // under mu: a pause remembered later is learnt after now
+		}
+		t.mu.Unlock()
+		select {
+		case <-p.stored:
+		case <-ctx.Done():
+			return time.Time{}, ctx.Err()
+		}
+		t.mu.Lock()
+		unshared := p.unshared
+		t.mu.Unlock()
+		if !unshared {
+			if t.current(key, p) {
+				return time.Now(), nil
+			}
+			continue // a later pause came meanwhile
+		}
+		wait := time.Until(p.until)
+		limit, ok := t.lim.MaxWait()
+		if !ok {
+			limit = deadline.NoCap
+		}
+		if budget, bound := deadline.Budget(ctx, time.Now(), limit, t.lim.WorkEstimate()); wait > budget {
+			return time.Time{}, deadline.Refuse(bound, budget, wait)
+		}
+		timer := time.NewTimer(wait)
+		select {
+		case <-timer.C:
+		case <-ctx.Done():
+			timer.Stop()
+			return time.Time{}, ctx.Err()
+		}
+	}
+}
+
+// current reports whether p is still key's pause.
+func (t *Transport) current(key string, p *pause) bool {
 	t.mu.Lock()
-	p := t.paused[key]
-	t.mu.Unlock()
-	if p == nil || !time.Now().Before(p.until) {
-		return nil
-	}
-	select {
-	case <-p.stored:
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-	t.mu.Lock()
-	unshared := p.unshared
-	t.mu.Unlock()
-	if !unshared {
-		return nil
-	}
-	timer := time.NewTimer(time.Until(p.until))
-	defer timer.Stop()
-	select {
-	case <-timer.C:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
+	defer t.mu.Unlock()
+	return t.paused[key] == p
 }
 
 // pausedSince reports whether a pause of key learnt of after since is still
