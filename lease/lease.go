@@ -248,6 +248,10 @@ type Lease struct {
 	// while its waiter's latest refresh was a while ago): the keeper
 	// extends it at once rather than at its next interval.
 	fresh bool
+	// extending is set while a keep call carrying the lease is out. While
+	// it or fresh is set, lapse leaves the lease to that call: the keeper
+	// extends it, or, if the call fails past the deadline, lets it lapse.
+	extending bool
 }
 
 // Key returns the key the lease is for.
@@ -260,12 +264,13 @@ func (l *Lease) Key() string { return l.key }
 func (l *Lease) Token() int64 { return l.token }
 
 // Lost is closed if the lease is found to have lapsed before it was
-// released (an extension came too late), or once it may have: when no
-// extension sent within the TTL of the last successful one has succeeded
-// (Redis unreachable, the process stalled), measured on this process's
-// clock from when that call was sent, so that Lost is closed no later
-// than Redis lets the lease lapse. The holder should stop, since another
-// may now hold its place.
+// released (an extension came too late), or once it may have: when the
+// TTL has passed since the last successful extension was sent (measured
+// on this process's clock, so no later than Redis lets the lease lapse)
+// and no extension is on its way (Redis unreachable, the process
+// stalled); one on its way then is waited for, and Lost is closed if it
+// fails. It is closed, too, when Close gives the lease back. The holder
+// should stop, since another may now hold its place.
 func (l *Lease) Lost() <-chan struct{} { return l.lost }
 
 // Release gives the lease back and wakes the next waiter, in one Redis
@@ -318,19 +323,26 @@ func (s *Semaphore) markLostLocked(l *Lease) {
 }
 
 // lapse runs at l's deadline: unless l was released, found lost, or
-// extended meanwhile (then it waits for the new deadline), l may have
-// lapsed in Redis. It is no longer extended, its Lost is closed, and its
-// keeper gives it back in Redis (a leave call) in case it still stands.
+// extended meanwhile (then it waits for the new deadline), or an
+// extension is under way (fresh, extending: the keeper decides when it
+// is over), l may have lapsed in Redis (lapseLocked).
 func (s *Semaphore) lapse(l *Lease) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if l.released || l.wasLost {
+	if l.released || l.wasLost || l.fresh || l.extending {
 		return
 	}
 	if d := time.Until(l.deadline); d > 0 {
 		l.timer.Reset(d)
 		return
 	}
+	s.lapseLocked(l)
+}
+
+// lapseLocked gives up l, which may have lapsed in Redis: it is no longer
+// extended, its Lost is closed, and its keeper gives it back in Redis (a
+// leave call) in case it still stands. s.mu is held.
+func (s *Semaphore) lapseLocked(l *Lease) {
 	if r := s.rooms[l.key]; r != nil && r.holds[l.id] == l {
 		delete(r.holds, l.id)
 		s.obs.ObserveHeld(s.name, -1)
@@ -423,8 +435,9 @@ func (s *Semaphore) handOut(ctx context.Context, l *Lease, start time.Time) (*Le
 }
 
 // Close stops the semaphore: waiting Acquire callers get ErrClosed (and
-// leave the queue), held leases are released (their Release is then a
-// no-op) and no longer extended, and Close waits for the
+// leave the queue), held leases are released (their Lost is closed, and
+// their Release is then a no-op) and no longer extended, and Close waits
+// for the
 // goroutines that extend leases and wake waiters, or for ctx to end. It
 // returns the first error of a release. Close is idempotent.
 func (s *Semaphore) Close(ctx context.Context) error {
@@ -450,6 +463,7 @@ func (s *Semaphore) Close(ctx context.Context) error {
 		if err := l.Release(ctx); err != nil && !errors.Is(err, ErrLost) {
 			errs = append(errs, err)
 		}
+		s.markLost(l) // the holder should stop: the lease is given back
 	}
 	stopped := make(chan struct{})
 	go func() { s.keeper.Wait(); close(stopped) }()

@@ -338,7 +338,7 @@ func (s *Semaphore) keepCall(r *room) {
 	args := []any{h}
 	for id, l := range r.holds {
 		args = append(args, id)
-		l.fresh = false
+		l.fresh, l.extending = false, true
 	}
 	for id, w := range r.waiters {
 		if w.queued {
@@ -361,19 +361,29 @@ func (s *Semaphore) keepCall(r *room) {
 			if err == nil {
 				w.since = sent // not granted when the call ran
 			}
-		case r.holds[id] == nil && !s.closed:
-			s.leavingLocked(r, id) // gone while the call was out
+		case r.holds[id] == nil:
+			s.leavingLocked(r, id) // gone while the call was out (also after Close: tried once)
 		}
 	}
-	if err == nil {
-		lapsed := make(map[string]bool, len(rep.extra))
-		for _, id := range rep.extra {
-			lapsed[id] = true
+	lapsed := make(map[string]bool, len(rep.extra))
+	for _, id := range rep.extra {
+		lapsed[id] = true
+	}
+	for _, id := range args[1 : 1+h] {
+		l := r.holds[id.(string)]
+		if l == nil {
+			continue
 		}
-		for _, id := range args[1 : 1+h] {
-			if l := r.holds[id.(string)]; l != nil && !lapsed[l.id] {
-				l.deadline = sent.Add(s.ttl) // extended when the call ran
-			}
+		l.extending = false
+		switch {
+		case lapsed[l.id] || l.released || l.wasLost: // found lapsed: below
+		case err == nil:
+			l.deadline = sent.Add(s.ttl) // extended when the call ran
+			l.timer.Reset(time.Until(l.deadline))
+		case !time.Now().Before(l.deadline):
+			s.lapseLocked(l)
+		default:
+			l.timer.Reset(time.Until(l.deadline))
 		}
 	}
 	s.mu.Unlock()

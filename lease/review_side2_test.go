@@ -1,0 +1,905 @@
+package lease_test
+
+// Second adversarial review of package lease (the leave retries, the local
+// deadline that closes Lost, TryAcquire during Close), through the public
+// API only, against a real redis-server. Oracle: the package doc. A Lost
+// is spurious when Redis still held the lease (its holders-key score, on
+// the Redis clock, was in the future) when Lost was closed; a believed
+// holder counts from Acquire's return to its Release call, or to the last
+// check that found Lost open.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/slotbook/slotbook/internal/redistest"
+	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+// --- helpers (copies of review_side_test.go's, under rv2 names) ----------
+
+func rv2Proxied(t *testing.T, e *env, timeout time.Duration, hooks ...redis.Hook) (*redistest.Proxy, *throttle.Engine) {
+	t.Helper()
+	p := redistest.NewProxy(t, e.srv.Addr)
+	c := p.Client(t, e.srv)
+	for _, h := range hooks {
+		c.AddHook(h)
+	}
+	eng, err := throttle.New(c, throttle.WithPrefix(e.prefix), throttle.WithTimeout(timeout))
+	require.NoError(t, err)
+	return p, eng
+}
+
+// rv2Direct returns an engine on e's prefix with a client of its own (a
+// separate "process").
+func rv2Direct(t *testing.T, e *env, timeout time.Duration, hooks ...redis.Hook) *throttle.Engine {
+	t.Helper()
+	c := e.srv.Client(t)
+	for _, h := range hooks {
+		c.AddHook(h)
+	}
+	eng, err := throttle.New(c, throttle.WithPrefix(e.prefix), throttle.WithTimeout(timeout))
+	require.NoError(t, err)
+	return eng
+}
+
+func rv2Sem(t *testing.T, eng *throttle.Engine, n int, opts ...lease.Option) *lease.Semaphore {
+	t.Helper()
+	s, err := lease.New(eng, "partner", n, opts...)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = s.Close(ctx)
+	})
+	return s
+}
+
+func rv2LeaseGoroutines() int {
+	buf := make([]byte, 4<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	n := 0
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if strings.Contains(g, "slotbook/slotbook/lease.") {
+			n++
+		}
+	}
+	return n
+}
+
+func rv2Settled(t *testing.T, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for rv2LeaseGoroutines() != 0 {
+		if time.Now().After(deadline) {
+			buf := make([]byte, 1<<20)
+			t.Errorf("%d goroutines of package lease left %v after Close:\n%s", rv2LeaseGoroutines(), within, buf[:runtime.Stack(buf, true)])
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// rv2ScriptArgs returns a script call's ARGV and KEYS, or nil.
+func rv2ScriptArgs(cmd redis.Cmder) (argv []any, keys []string) {
+	a := cmd.Args()
+	if (cmd.Name() != "evalsha" && cmd.Name() != "eval") || len(a) < 3 {
+		return nil, nil
+	}
+	nk, ok := a[2].(int)
+	if !ok || len(a) < 3+nk {
+		return nil, nil
+	}
+	for _, k := range a[3 : 3+nk] {
+		keys = append(keys, fmt.Sprint(k))
+	}
+	return a[3+nk:], keys
+}
+
+type rv2Hook struct{ match func(cmd redis.Cmder) }
+
+func (h rv2Hook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h rv2Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		h.match(cmd)
+		return next(ctx, cmd)
+	}
+}
+func (h rv2Hook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// rv2Burn keeps every core busy until the returned stop is called.
+func rv2Burn(n int) (stop func()) {
+	var halt atomic.Bool
+	var wg sync.WaitGroup
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			x := 0
+			for !halt.Load() {
+				for i := 0; i < 10000; i++ {
+					x += i * x
+				}
+			}
+			_ = x
+		}()
+	}
+	return func() { halt.Store(true); wg.Wait() }
+}
+
+// rv2Probe finds the lease of token on the Redis side: its id, and its
+// score minus Redis's TIME (µs), or ok false if it is no holder any more.
+var rv2Probe = redis.NewScript(`
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local all = redis.call('HGETALL', KEYS[2])
+for i = 1, #all, 2 do
+  if all[i+1] == ARGV[1] then
+    local s = redis.call('ZSCORE', KEYS[1], all[i])
+    if s then return {all[i], tonumber(s) - now, 1} end
+    return {all[i], 0, 0}
+  end
+end
+return {'', 0, 0}
+`)
+
+type rv2Seen struct {
+	id     string
+	margin time.Duration // Redis expiry minus Redis now
+	held   bool          // still a holder in Redis
+}
+
+func rv2Look(ctx context.Context, e *env, key string, token int64) rv2Seen {
+	v, err := rv2Probe.Run(ctx, e.rdb, []string{e.key(key, "h"), e.key(key, "t")}, fmt.Sprint(token)).Slice()
+	if err != nil || len(v) != 3 {
+		return rv2Seen{}
+	}
+	id, _ := v[0].(string)
+	m, _ := v[1].(int64)
+	h, _ := v[2].(int64)
+	return rv2Seen{id: id, margin: time.Duration(m) * time.Microsecond, held: h == 1}
+}
+
+// rv2Believed tracks, per token, the leases a worker believes it holds; a
+// hook on every client checks each leave or release call sent by the
+// package against it (ids are unique per waiter: a call for a lease its
+// holder still believes in, Lost open, would be a defect).
+type rv2Believed struct {
+	mu    sync.Mutex
+	held  map[int64]*lease.Lease
+	rdb   *redis.Client
+	viols atomic.Int64
+	first atomic.Value
+}
+
+func (b *rv2Believed) set(l *lease.Lease, on bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if on {
+		b.held[l.Token()] = l
+	} else {
+		delete(b.held, l.Token())
+	}
+}
+
+func (b *rv2Believed) hook() rv2Hook {
+	return rv2Hook{match: func(cmd redis.Cmder) {
+		argv, keys := rv2ScriptArgs(cmd)
+		if len(argv) != 4 || len(keys) < 2 {
+			return
+		}
+		id, ok := argv[3].(string)
+		if !ok {
+			return
+		}
+		tok, err := b.rdb.HGet(context.Background(), keys[1], id).Int64()
+		if err != nil {
+			return
+		}
+		b.mu.Lock()
+		l := b.held[tok]
+		b.mu.Unlock()
+		if l == nil {
+			return
+		}
+		select {
+		case <-l.Lost():
+		default:
+			if b.viols.Add(1) == 1 {
+				b.first.Store(fmt.Sprintf("leave/release of %s (token %d) sent while its holder believes it holds (Lost open, no Release)", id, tok))
+			}
+		}
+	}}
+}
+
+// --- 1. Spurious Lost on grants through the queue ------------------------
+
+// rv2Gaps records the longest gap between two keep calls of one client.
+type rv2Gaps struct {
+	mu   sync.Mutex
+	last time.Time
+	gap  time.Duration
+	ones atomic.Int64
+}
+
+func (g *rv2Gaps) hook() rv2Hook {
+	return rv2Hook{match: func(cmd redis.Cmder) {
+		argv, _ := rv2ScriptArgs(cmd)
+		if len(argv) < 4 {
+			return
+		}
+		if _, ok := argv[3].(int); !ok {
+			if len(argv) == 4 {
+				g.ones.Add(1)
+			}
+			return
+		}
+		g.mu.Lock()
+		now := time.Now()
+		if !g.last.IsZero() {
+			g.gap = max(g.gap, now.Sub(g.last))
+		}
+		g.last = now
+		g.mu.Unlock()
+	}}
+}
+
+func (g *rv2Gaps) max() time.Duration { g.mu.Lock(); defer g.mu.Unlock(); return g.gap }
+
+type rv2Stats struct {
+	holds, queued, lost, spurious, gone, errLost, lostReleaseOK int
+	margins                                                     []time.Duration
+	ages                                                        []time.Duration // Acquire return to Lost
+	freed                                                       []time.Duration // Redis clock: Lost to slot freed, vs margin
+	late                                                        int             // freed only after the lease's expiry at Lost
+	pairs                                                       []string        // margin at Lost / freed after Release
+}
+
+// rv2QueuePhase runs A (aEng: 3 workers) against B (another "process", 2
+// workers) on one key with N=2 and a healthy Redis. Every lease of A is
+// watched: when its Lost closes, Redis is asked at once whether it still
+// holds it.
+func rv2QueuePhase(t *testing.T, e *env, key string, aEng, bEng *throttle.Engine, bel *rv2Believed, ttl, run time.Duration) rv2Stats {
+	ctx := context.Background()
+	a := rv2Sem(t, aEng, 2, lease.WithTTL(ttl))
+	b := rv2Sem(t, bEng, 2, lease.WithTTL(ttl))
+	require.NoError(t, a.Load(ctx))
+	require.NoError(t, b.Load(ctx))
+	var mu sync.Mutex
+	var st rv2Stats
+	end := time.Now().Add(run)
+	var wg sync.WaitGroup
+	worker := func(s *lease.Semaphore, watch bool, seed uint64) {
+		defer wg.Done()
+		rng := rand.New(rand.NewPCG(seed, 7))
+		for time.Now().Before(end) {
+			actx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			t0 := time.Now()
+			l, err := s.Acquire(actx, key)
+			cancel()
+			if err != nil {
+				t.Errorf("Acquire: %v", err)
+				return
+			}
+			got := time.Now()
+			waited := got.Sub(t0)
+			bel.set(l, true)
+			done := make(chan struct{})
+			watched := make(chan struct{})
+			var released atomic.Bool
+			if watch {
+				go func() {
+					defer close(watched)
+					select {
+					case <-done:
+						return
+					case <-l.Lost():
+					}
+					seen := rv2Look(ctx, e, key, l.Token())
+					age := time.Since(got)
+					// The holder stops at once and releases (ErrLost
+					// expected); the slot should be free in Redis soon.
+					bel.set(l, false)
+					var rerr error = lease.ErrLost
+					mine := released.CompareAndSwap(false, true) // else the worker's Release came first (and may itself have found the lapse)
+					if mine {
+						rerr = l.Release(ctx)
+					}
+					var freedIn time.Duration = -1
+					if seen.held {
+						tm0, _ := e.rdb.Time(ctx).Result()
+						for i := 0; i < 200; i++ {
+							if s2 := rv2Look(ctx, e, key, l.Token()); !s2.held {
+								tm1, _ := e.rdb.Time(ctx).Result()
+								freedIn = tm1.Sub(tm0)
+								break
+							}
+							time.Sleep(2 * time.Millisecond)
+						}
+					}
+					mu.Lock()
+					defer mu.Unlock()
+					st.lost++
+					st.ages = append(st.ages, age)
+					if errors.Is(rerr, lease.ErrLost) {
+						st.errLost++
+					} else {
+						st.lostReleaseOK++
+					}
+					switch {
+					case seen.held && seen.margin > 0:
+						st.spurious++
+						st.margins = append(st.margins, seen.margin)
+						st.freed = append(st.freed, freedIn)
+						st.pairs = append(st.pairs, fmt.Sprintf("%v/%v", seen.margin.Round(time.Millisecond), freedIn.Round(time.Millisecond)))
+						if freedIn < 0 || freedIn > seen.margin {
+							st.late++
+						}
+					case !seen.held:
+						st.gone++
+					}
+				}()
+			} else {
+				close(watched)
+			}
+			hold := time.Duration(50+rng.IntN(150)) * time.Millisecond
+			stop := time.Now().Add(hold)
+			lost := false
+			for time.Now().Before(stop) && !lost {
+				select {
+				case <-l.Lost():
+					lost = true
+				case <-time.After(5 * time.Millisecond):
+				}
+			}
+			if !lost && released.CompareAndSwap(false, true) {
+				bel.set(l, false)
+				_ = l.Release(ctx)
+			}
+			close(done)
+			<-watched
+			mu.Lock()
+			st.holds++
+			if waited > 30*time.Millisecond {
+				st.queued++
+			}
+			mu.Unlock()
+		}
+	}
+	for i := range 3 {
+		wg.Add(1)
+		go worker(a, true, uint64(i))
+	}
+	for i := range 2 {
+		wg.Add(1)
+		go worker(b, false, uint64(10+i))
+	}
+	wg.Wait()
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	require.NoError(t, a.Close(cctx))
+	require.NoError(t, b.Close(cctx))
+	return st
+}
+
+func TestReviewLease2SpuriousLostQueueGrants(t *testing.T) {
+	const ttl = 300 * time.Millisecond
+	const run = 3500 * time.Millisecond
+	type phase struct {
+		name    string
+		latency time.Duration
+		load    bool
+	}
+	results := map[string]rv2Stats{}
+	for _, ph := range []phase{
+		{"control", 0, false},
+		{"latency40ms", 40 * time.Millisecond, false},
+		{"control+cpuload", 0, true},
+		{"latency40ms+cpuload", 40 * time.Millisecond, true},
+	} {
+		t.Run(ph.name, func(t *testing.T) {
+			e := newEnv(t)
+			bel := &rv2Believed{held: map[int64]*lease.Lease{}, rdb: e.rdb}
+			gaps := &rv2Gaps{}
+			p, aEng := rv2Proxied(t, e, 2*time.Second, bel.hook(), gaps.hook())
+			p.SetLatency(ph.latency)
+			bEng := rv2Direct(t, e, 2*time.Second, bel.hook())
+			if ph.load {
+				stop := rv2Burn(2 * runtime.NumCPU())
+				defer stop()
+			}
+			st := rv2QueuePhase(t, e, "k", aEng, bEng, bel, ttl, run)
+			results[ph.name] = st
+			slices.Sort(st.margins)
+			t.Logf("%s: %d holds (%d waited >30ms), %d Lost of A's leases; Redis still held %d of them at Lost (margin at Lost / slot freed after the ErrLost Release, Redis clock: %v), %d gone; Release after Lost: %d ErrLost, %d nil; %d freed only after the expiry seen at Lost; Acquire-to-Lost %v",
+				ph.name, st.holds, st.queued, st.lost, st.spurious, st.pairs, st.gone, st.errLost, st.lostReleaseOK, st.late, st.ages)
+			t.Logf("%s: A's keeper: longest gap between two keep calls %v; %d calls with one id (leave or release) sent by A", ph.name, gaps.max().Round(time.Millisecond), gaps.ones.Load())
+			if v := bel.viols.Load(); v > 0 {
+				t.Errorf("%d leave/release calls for a lease still believed held; first: %v", v, bel.first.Load())
+			}
+			if st.spurious > 0 {
+				t.Errorf("%s (TTL %v, N=2, healthy Redis, %v latency each way): %d of A's leases saw Lost while Redis still held them for up to %v more (ZSCORE - TIME); the control without latency and without load saw %d",
+					ph.name, ttl, ph.latency, st.spurious, st.margins[len(st.margins)-1].Round(time.Millisecond), results["control"].spurious)
+			}
+			if st.lostReleaseOK > 0 {
+				t.Errorf("Release after Lost returned nil %d times (want ErrLost)", st.lostReleaseOK)
+			}
+			ctx := context.Background()
+			h, _ := e.rdb.ZCard(ctx, e.key("k", "h")).Result()
+			q, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result()
+			if h+q != 0 {
+				t.Errorf("after both Semaphores closed: %d holders, %d queued in Redis", h, q)
+			}
+		})
+	}
+	rv2Settled(t, 5*time.Second)
+}
+
+// --- 2. Long holds with waiters present: extension cycle vs deadline ----
+
+// A holder that keeps its lease for several TTLs while its process also
+// has waiters (so the keeper blocks on BLPOP between keep calls): with a
+// round trip under TTL/3 (the doc's condition) its Lost must stay open.
+func TestReviewLease2LongHoldWithWaiters(t *testing.T) {
+	const ttl = 300 * time.Millisecond
+	for _, lat := range []time.Duration{0, 40 * time.Millisecond, 45 * time.Millisecond} {
+		t.Run(fmt.Sprintf("latency=%v", lat), func(t *testing.T) {
+			e := newEnv(t)
+			ctx := context.Background()
+			p, aEng := rv2Proxied(t, e, 2*time.Second)
+			a := rv2Sem(t, aEng, 1, lease.WithTTL(ttl))
+			require.NoError(t, a.Load(ctx))
+			p.SetLatency(lat)
+			var lostN, rounds, extended int
+			var margins []time.Duration
+			var bl []time.Duration // BLPOP with a 20 ms timeout, direct: how long Redis takes to time it out
+			for range 5 {
+				t1 := time.Now()
+				_ = e.rdb.Do(ctx, "blpop", e.prefix+"rv2:empty", "0.020").Err()
+				bl = append(bl, time.Since(t1).Round(time.Millisecond))
+			}
+			t.Logf("BLPOP 0.020 on an empty list took %v", bl)
+			for range 3 + 2*min(1, int(lat/time.Millisecond)) {
+				l, err := a.Acquire(ctx, "k")
+				require.NoError(t, err)
+				wctx, cancel := context.WithCancel(ctx)
+				wdone := make(chan struct{})
+				go func() { // a waiter of the same process: the keeper blocks on BLPOP
+					defer close(wdone)
+					if w, err := a.Acquire(wctx, "k"); err == nil {
+						_ = w.Release(ctx)
+					}
+				}()
+				rounds++
+				select {
+				case <-l.Lost():
+					lostN++
+					m0 := rv2Look(ctx, e, "k", l.Token())
+					time.Sleep(lat + 5*time.Millisecond)
+					m1 := rv2Look(ctx, e, "k", l.Token())
+					ext := m1.held && m1.margin > m0.margin // the keep call out at Lost extended it
+					margins = append(margins, m0.margin.Round(time.Millisecond))
+					if ext {
+						extended++
+					}
+				case <-time.After(4 * ttl):
+				}
+				cancel()
+				<-wdone
+				_ = l.Release(ctx)
+			}
+			t.Logf("latency %v each way (RTT %v, TTL/3 %v): %d of %d holds saw Lost within 4 TTL; Redis margins at Lost %v; %d of them extended in Redis by the keep call out at Lost", lat, 2*lat, ttl/3, lostN, rounds, margins, extended)
+			if lostN > 0 {
+				t.Errorf("round trip %v < TTL/3 = %v, Redis healthy: a held lease saw Lost %d times (Redis margin at Lost %v)", 2*lat, ttl/3, lostN, margins)
+			}
+			require.NoError(t, a.Close(ctx))
+		})
+	}
+	rv2Settled(t, 5*time.Second)
+}
+
+// --- 3. At most N believed holders, severed connections, CPU load -------
+
+func TestReviewLease2OverlapSevered(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	const n = 2
+	ttl := 300 * time.Millisecond
+	bel := &rv2Believed{held: map[int64]*lease.Lease{}, rdb: e.rdb}
+	p, aEng := rv2Proxied(t, e, 200*time.Millisecond, bel.hook())
+	p.SetLatency(5 * time.Millisecond)
+	bEng := rv2Direct(t, e, 2*time.Second, bel.hook())
+	sems := []*lease.Semaphore{
+		rv2Sem(t, aEng, n, lease.WithTTL(ttl)),
+		rv2Sem(t, bEng, n, lease.WithTTL(ttl)),
+		rv2Sem(t, bEng, n, lease.WithTTL(ttl), lease.WithPollInterval(20*time.Millisecond)),
+	}
+	base := time.Now()
+	run := 5 * time.Second
+	end := base.Add(run)
+	type iv struct {
+		from, to time.Duration
+		tok      int64
+	}
+	var mu sync.Mutex
+	var ivs []iv
+	var lostN, errs int
+	var wg sync.WaitGroup
+	for si, s := range sems {
+		for w := range 3 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				rng := rand.New(rand.NewPCG(uint64(si), uint64(w)))
+				for time.Now().Before(end) {
+					actx, cancel := context.WithTimeout(ctx, time.Duration(50+rng.IntN(400))*time.Millisecond)
+					l, err := s.Acquire(actx, "k")
+					cancel()
+					if err != nil {
+						mu.Lock()
+						errs++
+						mu.Unlock()
+						time.Sleep(3 * time.Millisecond)
+						continue
+					}
+					from := time.Since(base)
+					bel.set(l, true)
+					stop := time.Now().Add(time.Duration(rng.IntN(250)) * time.Millisecond)
+					to := from
+					lost := false
+					for {
+						select {
+						case <-l.Lost():
+							lost = true
+						default:
+							to = time.Since(base) // still believed here
+						}
+						if lost || time.Now().After(stop) {
+							break
+						}
+						time.Sleep(2 * time.Millisecond)
+					}
+					bel.set(l, false)
+					_ = l.Release(ctx)
+					mu.Lock()
+					ivs = append(ivs, iv{from, to, l.Token()})
+					if lost {
+						lostN++
+					}
+					mu.Unlock()
+				}
+			}()
+		}
+	}
+	sever := make(chan struct{})
+	go func() {
+		rng := rand.New(rand.NewPCG(9, 9))
+		for {
+			select {
+			case <-sever:
+				return
+			case <-time.After(time.Duration(100+rng.IntN(300)) * time.Millisecond):
+				p.Sever()
+			}
+		}
+	}()
+	time.Sleep(run / 2)
+	stopBurn := rv2Burn(2 * runtime.NumCPU()) // second half under CPU load
+	wg.Wait()
+	stopBurn()
+	close(sever)
+	type ev struct {
+		at  time.Duration
+		d   int
+		tok int64
+	}
+	var evs []ev
+	for _, x := range ivs {
+		evs = append(evs, ev{x.from, 1, x.tok}, ev{x.to, -1, x.tok})
+	}
+	slices.SortFunc(evs, func(a, b ev) int {
+		if a.at != b.at {
+			return int(a.at - b.at)
+		}
+		return a.d - b.d
+	})
+	cur, peak := 0, 0
+	open := map[int64]bool{}
+	var bad []string
+	for _, x := range evs {
+		cur += x.d
+		if x.d > 0 {
+			open[x.tok] = true
+		} else {
+			delete(open, x.tok)
+		}
+		if cur > n && len(bad) < 3 {
+			var toks []int64
+			for k := range open {
+				toks = append(toks, k)
+			}
+			slices.Sort(toks)
+			bad = append(bad, fmt.Sprintf("at %v: tokens %v", x.at.Round(time.Millisecond), toks))
+		}
+		peak = max(peak, cur)
+	}
+	t.Logf("%d holds, %d Lost, %d acquire errors/timeouts, peak %d believed holders", len(ivs), lostN, errs, peak)
+	if peak > n {
+		t.Errorf("%d believed holders overlapped (N=%d): %v", peak, n, bad)
+	}
+	if v := bel.viols.Load(); v > 0 {
+		t.Errorf("%d leave/release calls for a lease still believed held; first: %v", v, bel.first.Load())
+	}
+	waitFor(t, func() bool {
+		h, _ := e.rdb.ZCard(ctx, e.key("k", "h")).Result()
+		q, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result()
+		return h+q == 0
+	})
+	for _, s := range sems {
+		require.NoError(t, s.Close(ctx))
+	}
+	rv2Settled(t, 5*time.Second)
+}
+
+// --- 4. Redis away: no spin, Close within its ctx, nothing left ----------
+
+func TestReviewLease2RedisAway(t *testing.T) {
+	for _, how := range []string{"stopped", "paused"} {
+		t.Run(how, func(t *testing.T) {
+			srv := redistest.Start(t)
+			var scripts, blpops atomic.Int64
+			c := srv.Client(t)
+			c.AddHook(rv2Hook{match: func(cmd redis.Cmder) {
+				switch cmd.Name() {
+				case "evalsha", "eval":
+					scripts.Add(1)
+				case "blpop":
+					blpops.Add(1)
+				}
+			}})
+			eng, err := throttle.New(c, throttle.WithPrefix("rv2:"), throttle.WithTimeout(300*time.Millisecond))
+			require.NoError(t, err)
+			ctx := context.Background()
+			ttl := 600 * time.Millisecond
+			poll := 50 * time.Millisecond
+			s, err := lease.New(eng, "partner", 2, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+			require.NoError(t, err)
+			var held []*lease.Lease
+			for _, key := range []string{"a", "a", "b"} {
+				l, err := s.Acquire(ctx, key)
+				require.NoError(t, err)
+				held = append(held, l)
+			}
+			// Waiters on a (queued), and one that gives up (leaves).
+			wctx, wcancel := context.WithCancel(ctx)
+			defer wcancel()
+			var wg sync.WaitGroup
+			werrs := make(chan error, 3)
+			for range 2 {
+				wg.Add(1)
+				go func() { defer wg.Done(); _, err := s.Acquire(wctx, "a"); werrs <- err }()
+			}
+			time.Sleep(100 * time.Millisecond)
+			switch how {
+			case "stopped":
+				srv.Stop()
+			case "paused":
+				require.NoError(t, syscall.Kill(srv.Pid(), syscall.SIGSTOP))
+			}
+			gctx, gcancel := context.WithTimeout(ctx, 50*time.Millisecond)
+			_, gerr := s.Acquire(gctx, "b") // fails: its leave is handed to the keeper
+			gcancel()
+			scripts.Store(0)
+			blpops.Store(0)
+			window := 2 * time.Second
+			time.Sleep(window)
+			nScripts, nBlpop := scripts.Load(), blpops.Load()
+			// Two rooms; each may send a keep call and a leave per
+			// poll interval, plus a BLPOP: allow 4x that.
+			budget := int64(4 * 2 * 3 * int(window/poll))
+			t.Logf("%s: %d script calls and %d BLPOPs in %v with Redis away (poll %v; budget %d); late Acquire: %v", how, nScripts, nBlpop, window, poll, budget, gerr)
+			if nScripts+nBlpop > budget {
+				t.Errorf("keeper spins with Redis %s: %d script calls + %d BLPOPs in %v", how, nScripts, nBlpop, window)
+			}
+			for _, l := range held {
+				select {
+				case <-l.Lost():
+				default:
+					t.Errorf("%v after Redis went away (TTL %v), a lease's Lost is still open", window, ttl)
+				}
+			}
+			cctx, ccancel := context.WithTimeout(ctx, 500*time.Millisecond)
+			t0 := time.Now()
+			cerr := s.Close(cctx)
+			took := time.Since(t0)
+			ccancel()
+			t.Logf("%s: Close(500ms ctx) returned %v after %v", how, cerr, took.Round(time.Millisecond))
+			if took > 500*time.Millisecond+250*time.Millisecond {
+				t.Errorf("Redis %s: Close with a 500ms context returned only after %v", how, took.Round(time.Millisecond))
+			}
+			wcancel()
+			wg.Wait()
+			if how == "paused" {
+				_ = syscall.Kill(srv.Pid(), syscall.SIGCONT)
+			}
+			rv2Settled(t, 5*time.Second)
+		})
+	}
+}
+
+// --- 5. Close while a keep call carrying waiters is out ------------------
+
+// The keep call refreshing two waiters is held back (a stalled keeper);
+// Close makes them leave (their leave calls reach Redis first), then the
+// keep call goes out and puts them back in the queue. Outside Close the
+// keeper sends their leave calls again; after Close it does not.
+func TestReviewLease2CloseDuringKeepCall(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	ttl := 3 * time.Second
+	var armed atomic.Bool
+	caught, resume := make(chan struct{}), make(chan struct{})
+	c := e.srv.Client(t)
+	c.AddHook(rv2Hook{match: func(cmd redis.Cmder) {
+		argv, _ := rv2ScriptArgs(cmd)
+		if len(argv) < 4 {
+			return
+		}
+		h, ok := argv[3].(int)
+		if !ok || len(argv) <= 4+h || !armed.CompareAndSwap(true, false) {
+			return
+		}
+		close(caught)
+		<-resume
+	}})
+	eng, err := throttle.New(c, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second))
+	require.NoError(t, err)
+	s, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(50*time.Millisecond))
+	require.NoError(t, err)
+	other := rv2Sem(t, e.eng, 1, lease.WithTTL(ttl))
+	first, err := other.Acquire(ctx, "k")
+	require.NoError(t, err)
+	errs := make(chan error, 2)
+	for range 2 {
+		go func() { _, err := s.Acquire(ctx, "k"); errs <- err }()
+	}
+	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 2 })
+	armed.Store(true)
+	select {
+	case <-caught:
+	case <-time.After(5 * time.Second):
+		t.Fatal("no keep call refreshing the waiters")
+	}
+	closed := make(chan error, 1)
+	go func() {
+		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		closed <- s.Close(cctx)
+	}()
+	for range 2 {
+		require.ErrorIs(t, <-errs, lease.ErrClosed)
+	}
+	q0, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result()
+	close(resume)
+	require.NoError(t, <-closed)
+	q1, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result()
+	require.NoError(t, first.Release(ctx)) // grants the head of the queue, if any
+	time.Sleep(50 * time.Millisecond)
+	l, ok, err := other.TryAcquire(ctx, "k")
+	require.NoError(t, err)
+	t.Logf("queue after the waiters left: %d; after the held-back keep call and Close: %d; TryAcquire after the only holder released: %v", q0, q1, ok)
+	if !ok {
+		hs, _ := e.rdb.ZRangeWithScores(ctx, e.key("k", "h"), 0, -1).Result()
+		tm, _ := e.rdb.Time(ctx).Result()
+		for _, z := range hs {
+			t.Errorf("Semaphore closed, every waiter got ErrClosed, nobody holds k: yet %v, a waiter of the closed Semaphore requeued by its keep call, holds k for %v more (Redis clock)",
+				z.Member, time.UnixMicro(int64(z.Score)).Sub(tm).Round(time.Millisecond))
+		}
+	} else {
+		require.NoError(t, l.Release(ctx))
+	}
+	rv2Settled(t, 5*time.Second)
+}
+
+// --- 6. Close gives held leases back without closing their Lost ----------
+
+func TestReviewLease2CloseLeavesLostOpen(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	ttl := 3 * time.Second
+	s, err := lease.New(e.eng, "partner", 1, lease.WithTTL(ttl))
+	require.NoError(t, err)
+	other := rv2Sem(t, e.eng, 1, lease.WithTTL(ttl))
+	a, err := s.Acquire(ctx, "k")
+	require.NoError(t, err)
+	require.NoError(t, s.Close(ctx))
+	b, ok, err := other.TryAcquire(ctx, "k")
+	require.NoError(t, err)
+	require.True(t, ok)
+	select {
+	case <-a.Lost():
+	default:
+		t.Errorf("after Close, another process holds k (token %d) while the holder of token %d has no Release call and an open Lost: two believed holders, N=1", b.Token(), a.Token())
+	}
+	require.NoError(t, b.Release(ctx))
+	rv2Settled(t, 5*time.Second)
+}
+
+// --- 7. TryAcquire and Acquire in flight as Close begins -----------------
+
+func TestReviewLease2TryAcquireStormAtClose(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	p, eng := rv2Proxied(t, e, 2*time.Second)
+	s, err := lease.New(eng, "partner", 4, lease.WithTTL(3*time.Second))
+	require.NoError(t, err)
+	require.NoError(t, s.Load(ctx))
+	p.SetLatency(40 * time.Millisecond)
+	var wg sync.WaitGroup
+	var okAfter, closedErr, other atomic.Int64
+	var closing atomic.Bool
+	for i := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				var l *lease.Lease
+				var ok bool
+				var err error
+				if i%2 == 0 {
+					l, ok, err = s.TryAcquire(ctx, "k")
+				} else {
+					actx, cancel := context.WithTimeout(ctx, 150*time.Millisecond)
+					l, err = s.Acquire(actx, "k")
+					cancel()
+					ok = err == nil
+				}
+				switch {
+				case errors.Is(err, lease.ErrClosed):
+					closedErr.Add(1)
+					return
+				case err != nil && !errors.Is(err, context.DeadlineExceeded):
+					other.Add(1)
+				case ok:
+					if closing.Load() {
+						okAfter.Add(1)
+					}
+					time.Sleep(5 * time.Millisecond)
+					_ = l.Release(ctx)
+				}
+			}
+		}()
+	}
+	time.Sleep(400 * time.Millisecond)
+	closing.Store(true)
+	cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	t0 := time.Now()
+	cerr := s.Close(cctx)
+	took := time.Since(t0)
+	cancel()
+	wg.Wait()
+	h, _ := e.rdb.ZCard(ctx, e.key("k", "h")).Result()
+	q, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result()
+	t.Logf("Close: %v after %v; %d callers got ErrClosed, %d other errors, %d grants handed out after Close began; Redis after Close: %d holders, %d queued", cerr, took.Round(time.Millisecond), closedErr.Load(), other.Load(), okAfter.Load(), h, q)
+	require.NoError(t, cerr)
+	if h+q != 0 {
+		t.Errorf("after Close returned: %d holders, %d queued left in Redis by the closed Semaphore", h, q)
+	}
+	rv2Settled(t, 5*time.Second)
+}
