@@ -16,11 +16,11 @@
 // of their last extension; the next call on the key drops them (counted by
 // Observer.ObserveExpired). A holder that stalls for longer than the TTL
 // finds its lease lost (Lease.Lost is closed, Release returns ErrLost).
-// So does a holder cut off from Redis: Lost is closed once the TTL has
-// passed since the last successful extension was sent, timed on the
-// process's own clock (no later than Redis lets the lease lapse and
-// another process take its place), unless an extension is on its way
-// then: Lost waits for its outcome. Each lease
+// So does a holder cut off from Redis: Lost is closed once 9/10 of the
+// TTL have passed since the last successful extension was sent, timed on
+// the process's own clock, which is before Redis lets the lease lapse and
+// another process take its place (the tenth allows for late timers on a
+// busy machine). Each lease
 // carries a fencing token, larger than every token granted before it
 // for the key, for resources that must refuse a holder whose lease has
 // lapsed.

@@ -105,7 +105,13 @@ type Option func(*Semaphore) error
 
 // WithTTL sets how long a lease lives unless extended (default DefaultTTL,
 // at least MinTTL). Held leases are extended every TTL/3, so a process
-// that dies frees its leases within the TTL of its last extension.
+// that dies frees its leases within the TTL of its last extension. A
+// holder gives its lease up (Lost) when no extension has come back within
+// 9/10 of the TTL of the last successful one's sending, and a lease granted
+// through the queue starts from its waiter's last refresh (up to a poll
+// interval, and a blocking read's lateness, earlier): keep the TTL well
+// above three round trips plus the poll interval, or leases are given up
+// while Redis holds them.
 func WithTTL(d time.Duration) Option {
 	return func(s *Semaphore) error {
 		if d < MinTTL {
@@ -237,7 +243,7 @@ type Lease struct {
 	released bool
 	wasLost  bool
 	// deadline is when the lease may lapse in Redis, on this process's
-	// clock: the TTL after the latest call that granted or extended it
+	// clock: validFor after the latest call that granted or extended it
 	// was sent (for a grant made by another process's call, after the
 	// latest call that found its waiter not yet granted). lapse closes
 	// lost then, unless an extension has moved it.
@@ -248,10 +254,6 @@ type Lease struct {
 	// while its waiter's latest refresh was a while ago): the keeper
 	// extends it at once rather than at its next interval.
 	fresh bool
-	// extending is set while a keep call carrying the lease is out. While
-	// it or fresh is set, lapse leaves the lease to that call: the keeper
-	// extends it, or, if the call fails past the deadline, lets it lapse.
-	extending bool
 }
 
 // Key returns the key the lease is for.
@@ -264,13 +266,13 @@ func (l *Lease) Key() string { return l.key }
 func (l *Lease) Token() int64 { return l.token }
 
 // Lost is closed if the lease is found to have lapsed before it was
-// released (an extension came too late), or once it may have: when the
-// TTL has passed since the last successful extension was sent (measured
-// on this process's clock, so no later than Redis lets the lease lapse)
-// and no extension is on its way (Redis unreachable, the process
-// stalled); one on its way then is waited for, and Lost is closed if it
-// fails. It is closed, too, when Close gives the lease back. The holder
-// should stop, since another may now hold its place.
+// released (an extension came too late), or once it may have: when 9/10
+// of the TTL have passed since the last successful extension (or the
+// grant) was sent, measured on this process's clock, before Redis lets the
+// lease lapse (Redis unreachable, the process stalled, or replies slower
+// than the TTL allows: see WithTTL). It is closed, too, when Close gives
+// the lease back. The holder should stop, since another may now hold its
+// place.
 func (l *Lease) Lost() <-chan struct{} { return l.lost }
 
 // Release gives the lease back and wakes the next waiter, in one Redis
@@ -306,6 +308,12 @@ func (l *Lease) Release(ctx context.Context) error {
 	return nil
 }
 
+// validFor is how long after a call that granted or extended a lease was
+// sent its holder may count on it: the TTL, less a tenth of it for the
+// lateness of this process's timers and goroutines (a busy machine), so
+// that Lost is closed before Redis can give the place to another.
+func (s *Semaphore) validFor() time.Duration { return s.ttl - s.ttl/10 }
+
 // markLost closes l.lost once.
 func (s *Semaphore) markLost(l *Lease) {
 	s.mu.Lock()
@@ -323,13 +331,15 @@ func (s *Semaphore) markLostLocked(l *Lease) {
 }
 
 // lapse runs at l's deadline: unless l was released, found lost, or
-// extended meanwhile (then it waits for the new deadline), or an
-// extension is under way (fresh, extending: the keeper decides when it
-// is over), l may have lapsed in Redis (lapseLocked).
+// extended meanwhile (then it waits for the new deadline), l may have
+// lapsed in Redis (lapseLocked). An extension on its way does not hold it
+// off: sent before the deadline, it can only have moved the deadline to
+// its own send time plus validFor, which has passed too by the time the
+// old one has if its reply is late.
 func (s *Semaphore) lapse(l *Lease) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if l.released || l.wasLost || l.fresh || l.extending {
+	if l.released || l.wasLost {
 		return
 	}
 	if d := time.Until(l.deadline); d > 0 {
@@ -417,10 +427,17 @@ func (s *Semaphore) acquire(ctx context.Context, key, mode string) (*Lease, bool
 }
 
 // handOut returns l, granted to an Acquire or TryAcquire that began at
-// start, to its caller, unless Close has begun meanwhile: Close releases
+// start, to its caller, unless Close has begun meanwhile (Close releases
 // only the leases held when it begins, so one granted as it began is
-// released here instead, and the caller gets ErrClosed.
+// released here instead, and the caller gets ErrClosed), or unless l may
+// have lapsed already (its grant's reply came later than the TTL allows:
+// the caller gets an error matching ErrLost, and the lease is given back).
 func (s *Semaphore) handOut(ctx context.Context, l *Lease, start time.Time) (*Lease, bool, error) {
+	s.mu.Lock()
+	if !l.released && !l.wasLost && !time.Now().Before(l.deadline) {
+		s.lapseLocked(l) // its timer may not have run yet
+	}
+	s.mu.Unlock()
 	select {
 	case <-s.quit:
 		rctx, cancel := s.detach(ctx)
@@ -428,6 +445,11 @@ func (s *Semaphore) handOut(ctx context.Context, l *Lease, start time.Time) (*Le
 		cancel()
 		s.obs.ObserveWait(s.name, time.Since(start), ErrClosed)
 		return nil, false, ErrClosed
+	case <-l.lost:
+		_ = l.Release(ctx) // ErrLost: the keeper gives it back
+		err := fmt.Errorf("lease: acquire %q: granted, but the grant came back after its TTL had run out: %w", l.key, ErrLost)
+		s.obs.ObserveWait(s.name, time.Since(start), err)
+		return nil, false, err
 	default:
 	}
 	s.obs.ObserveWait(s.name, time.Since(start), nil)

@@ -118,9 +118,15 @@ func (s *Semaphore) deliver(key string, gs []grant) {
 			continue // given up, or delivered already
 		}
 		delete(r.waiters, g.id)
-		l := &Lease{sem: s, key: key, id: g.id, token: g.token, lost: make(chan struct{}), deadline: w.since.Add(s.ttl)}
+		l := &Lease{sem: s, key: key, id: g.id, token: g.token, lost: make(chan struct{}), deadline: w.since.Add(s.validFor())}
 		l.timer = time.AfterFunc(time.Until(l.deadline), func() { s.lapse(l) })
 		l.fresh = time.Until(l.deadline) < 2*s.ttl/3
+		if l.fresh {
+			select { // extend it at once (unless the keeper is in a blocking read)
+			case r.wake <- struct{}{}:
+			default:
+			}
+		}
 		r.holds[g.id] = l
 		s.obs.ObserveWaiting(s.name, -1)
 		s.obs.ObserveHeld(s.name, 1)
@@ -338,7 +344,7 @@ func (s *Semaphore) keepCall(r *room) {
 	args := []any{h}
 	for id, l := range r.holds {
 		args = append(args, id)
-		l.fresh, l.extending = false, true
+		l.fresh = false
 	}
 	for id, w := range r.waiters {
 		if w.queued {
@@ -374,16 +380,8 @@ func (s *Semaphore) keepCall(r *room) {
 		if l == nil {
 			continue
 		}
-		l.extending = false
-		switch {
-		case lapsed[l.id] || l.released || l.wasLost: // found lapsed: below
-		case err == nil:
-			l.deadline = sent.Add(s.ttl) // extended when the call ran
-			l.timer.Reset(time.Until(l.deadline))
-		case !time.Now().Before(l.deadline):
-			s.lapseLocked(l)
-		default:
-			l.timer.Reset(time.Until(l.deadline))
+		if err == nil && !lapsed[l.id] && !l.released && !l.wasLost {
+			l.deadline = sent.Add(s.validFor()) // extended when the call ran; lapse re-arms for it
 		}
 	}
 	s.mu.Unlock()

@@ -1,0 +1,1027 @@
+package lease_test
+
+// Third adversarial review of package lease (Lost waiting for an extension
+// on its way, Close closing Lost, leave-again after Close), through the
+// public API only, against a real redis-server. Oracle: the package doc.
+// A holder believes it holds from Acquire's return until its Release call
+// or until Lost is closed; at most N believed holders per key at once.
+// Redis-side expiries are read as ZSCORE of name:{key}:lease:h (µs, Redis
+// clock) and compared with Redis TIME read when Lost closes.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/slotbook/slotbook/internal/redistest"
+	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+// --- helpers (copies of the earlier reviews', under rv3 names) -----------
+
+func rv3Proxied(t *testing.T, e *env, timeout time.Duration, tweak func(*redis.Options), hooks ...redis.Hook) (*redistest.Proxy, *throttle.Engine) {
+	t.Helper()
+	p := redistest.NewProxy(t, e.srv.Addr)
+	var c *redis.Client
+	if tweak != nil {
+		c = p.Client(t, e.srv, tweak)
+	} else {
+		c = p.Client(t, e.srv)
+	}
+	for _, h := range hooks {
+		c.AddHook(h)
+	}
+	eng, err := throttle.New(c, throttle.WithPrefix(e.prefix), throttle.WithTimeout(timeout))
+	require.NoError(t, err)
+	return p, eng
+}
+
+func rv3Direct(t *testing.T, e *env, timeout time.Duration, hooks ...redis.Hook) *throttle.Engine {
+	t.Helper()
+	c := e.srv.Client(t)
+	for _, h := range hooks {
+		c.AddHook(h)
+	}
+	eng, err := throttle.New(c, throttle.WithPrefix(e.prefix), throttle.WithTimeout(timeout))
+	require.NoError(t, err)
+	return eng
+}
+
+func rv3Sem(t *testing.T, eng *throttle.Engine, n int, opts ...lease.Option) *lease.Semaphore {
+	t.Helper()
+	s, err := lease.New(eng, "partner", n, opts...)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = s.Close(ctx)
+	})
+	return s
+}
+
+func rv3LeaseGoroutines() int {
+	buf := make([]byte, 4<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	n := 0
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if strings.Contains(g, "slotbook/slotbook/lease.") {
+			n++
+		}
+	}
+	return n
+}
+
+func rv3Settled(t *testing.T, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for rv3LeaseGoroutines() != 0 {
+		if time.Now().After(deadline) {
+			buf := make([]byte, 1<<20)
+			t.Errorf("%d goroutines of package lease left %v after Close:\n%s", rv3LeaseGoroutines(), within, buf[:runtime.Stack(buf, true)])
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func rv3ScriptArgs(cmd redis.Cmder) (argv []any, keys []string) {
+	a := cmd.Args()
+	if (cmd.Name() != "evalsha" && cmd.Name() != "eval") || len(a) < 3 {
+		return nil, nil
+	}
+	nk, ok := a[2].(int)
+	if !ok || len(a) < 3+nk {
+		return nil, nil
+	}
+	for _, k := range a[3 : 3+nk] {
+		keys = append(keys, fmt.Sprint(k))
+	}
+	return a[3+nk:], keys
+}
+
+// rv3IsKeep tells a keep call (its 4th argument is the count of held ids).
+func rv3IsKeep(cmd redis.Cmder) bool {
+	argv, _ := rv3ScriptArgs(cmd)
+	if len(argv) < 4 {
+		return false
+	}
+	_, ok := argv[3].(int)
+	return ok
+}
+
+type rv3Hook struct {
+	before func(cmd redis.Cmder)
+	after  func(cmd redis.Cmder, took time.Duration)
+}
+
+func (h rv3Hook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h rv3Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if h.before != nil {
+			h.before(cmd)
+		}
+		t0 := time.Now()
+		err := next(ctx, cmd)
+		if h.after != nil {
+			h.after(cmd, time.Since(t0))
+		}
+		return err
+	}
+}
+func (h rv3Hook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// rv3Probe finds the lease of token on the Redis side: its id, its expiry
+// (ZSCORE, µs), Redis's TIME (µs) and whether it is still a holder.
+var rv3Probe = redis.NewScript(`
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local all = redis.call('HGETALL', KEYS[2])
+for i = 1, #all, 2 do
+  if all[i+1] == ARGV[1] then
+    local s = redis.call('ZSCORE', KEYS[1], all[i])
+    if s then return {all[i], tonumber(s), now, 1} end
+    return {all[i], 0, now, 0}
+  end
+end
+return {'', 0, now, 0}
+`)
+
+type rv3Seen struct {
+	id          string
+	expiry, now int64 // µs, Redis clock
+	held        bool
+}
+
+func rv3Look(ctx context.Context, rdb *redis.Client, e *env, key string, token int64) rv3Seen {
+	v, err := rv3Probe.Run(ctx, rdb, []string{e.key(key, "h"), e.key(key, "t")}, fmt.Sprint(token)).Slice()
+	if err != nil || len(v) != 4 {
+		return rv3Seen{}
+	}
+	id, _ := v[0].(string)
+	s, _ := v[1].(int64)
+	now, _ := v[2].(int64)
+	h, _ := v[3].(int64)
+	return rv3Seen{id: id, expiry: s, now: now, held: h == 1}
+}
+
+// rv3Now is Redis's TIME in µs.
+func rv3Now(rdb *redis.Client) int64 {
+	tm, err := rdb.Time(context.Background()).Result()
+	if err != nil {
+		return 0
+	}
+	return tm.UnixMicro()
+}
+
+func rv3Ms(us int64) time.Duration {
+	return (time.Duration(us) * time.Microsecond).Round(time.Millisecond)
+}
+
+// rv3LostAt reports Redis's TIME when l's Lost closes.
+func rv3LostAt(rdb *redis.Client, l *lease.Lease) <-chan int64 {
+	ch := make(chan int64, 1)
+	go func() {
+		select {
+		case <-l.Lost():
+			ch <- rv3Now(rdb)
+		case <-time.After(5 * time.Second): // a lease that is never lost: no goroutine left behind
+		}
+	}()
+	return ch
+}
+
+// rv3Live counts members of zset key scored after Redis's now (live
+// holders for :h, live waiters for :w), and the latest score minus now.
+var rv3LiveScript = redis.NewScript(`
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local n = redis.call('ZCOUNT', KEYS[1], '(' .. string.format('%d', now), '+inf')
+local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+local left = 0
+if #last == 2 then left = tonumber(last[2]) - now end
+return {n, left}
+`)
+
+func rv3Live(rdb *redis.Client, key string) (n int64, left time.Duration) {
+	v, err := rv3LiveScript.Run(context.Background(), rdb, []string{key}).Slice()
+	if err != nil || len(v) != 2 {
+		return -1, 0
+	}
+	n, _ = v[0].(int64)
+	l, _ := v[1].(int64)
+	return n, time.Duration(l) * time.Microsecond
+}
+
+// --- (a) Cut with a keep call out: how late is Lost? ---------------------
+
+// Holder A (N=1, TTL 300 ms, engine timeout 5 s) is cut off from Redis
+// (both ways, or replies held forever) while another process B waits for
+// the key. The doc: Lost is closed once the TTL has passed since the last
+// successful extension was sent, no later than Redis lets the lease lapse
+// and another process take its place, unless an extension is on its way
+// then. Every cut catches a keep call on its way (one is sent every
+// TTL/3 and may take the call's timeout), so Lost waits for that timeout
+// while B holds the key.
+func TestReviewLease3CutKeepCallOut(t *testing.T) {
+	const ttl = 300 * time.Millisecond
+	for _, tc := range []struct {
+		name        string
+		readTimeout time.Duration // 0: go-redis defaults (3 s read timeout bounds each call)
+		replies     bool          // replies held forever (requests reach Redis); else both ways
+	}{
+		{"cut/clientDefaults", 0, false},
+		{"cut/readTimeout30s", 30 * time.Second, false},
+		{"repliesHeld/clientDefaults", 0, true},
+		{"repliesHeld/readTimeout30s", 30 * time.Second, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			ctx := context.Background()
+			var tweak func(*redis.Options)
+			if tc.readTimeout > 0 {
+				tweak = func(o *redis.Options) { o.ReadTimeout, o.WriteTimeout = tc.readTimeout, tc.readTimeout }
+			}
+			var keepOut atomic.Int64 // keep calls of A out now
+			p, aEng := rv3Proxied(t, e, 5*time.Second, tweak, rv3Hook{
+				before: func(cmd redis.Cmder) {
+					if rv3IsKeep(cmd) {
+						keepOut.Add(1)
+					}
+				},
+				after: func(cmd redis.Cmder, _ time.Duration) {
+					if rv3IsKeep(cmd) {
+						keepOut.Add(-1)
+					}
+				},
+			})
+			t.Cleanup(func() { p.SetLatency(0); p.SetReplyDelay(0); p.Sever() })
+			a := rv3Sem(t, aEng, 1, lease.WithTTL(ttl))
+			b := rv3Sem(t, e.eng, 1, lease.WithTTL(ttl))
+			require.NoError(t, a.Load(ctx))
+			require.NoError(t, b.Load(ctx))
+			l, err := a.Acquire(ctx, "k")
+			require.NoError(t, err)
+			time.Sleep(2*ttl + time.Duration(rand.IntN(100))*time.Millisecond)
+			select {
+			case <-l.Lost():
+				t.Fatal("Lost closed before the cut, Redis healthy")
+			default:
+			}
+			before := rv3Look(ctx, e.rdb, e, "k", l.Token())
+			if tc.replies {
+				p.SetReplyDelay(time.Hour)
+			} else {
+				p.SetLatency(time.Hour)
+			}
+			cut := rv3Now(e.rdb)
+			lostAt := rv3LostAt(e.rdb, l)
+			bGot := make(chan int64, 1)
+			bctx, bcancel := context.WithTimeout(ctx, 40*time.Second)
+			defer bcancel()
+			var bl *lease.Lease
+			bdone := make(chan struct{})
+			go func() {
+				defer close(bdone)
+				var err error
+				if bl, err = b.Acquire(bctx, "k"); err == nil {
+					bGot <- rv3Now(e.rdb)
+				}
+			}()
+			last := before
+			var lost, bAt int64
+			outAtExpiry := int64(-1)
+			giveUp := time.Now().Add(40 * time.Second)
+			for lost == 0 {
+				if time.Now().After(giveUp) {
+					t.Fatal("Lost never closed")
+				}
+				select {
+				case lost = <-lostAt:
+					continue
+				case bAt = <-bGot:
+				case <-time.After(3 * time.Millisecond):
+				}
+				if s := rv3Look(ctx, e.rdb, e, "k", l.Token()); s.held {
+					last = s
+				} else if outAtExpiry < 0 {
+					outAtExpiry = keepOut.Load()
+				}
+			}
+			if bAt == 0 {
+				select {
+				case bAt = <-bGot:
+				case <-time.After(2 * ttl):
+				}
+			}
+			t.Logf("%s: Redis expiry read before the cut: %v after the cut; final Redis expiry %v after the cut; keep calls of A out when Redis dropped the lease: %d; Lost closed %v after the final Redis expiry; B granted %v after it",
+				tc.name, rv3Ms(before.expiry-cut), rv3Ms(last.expiry-cut), outAtExpiry, rv3Ms(lost-last.expiry), rv3Ms(bAt-last.expiry))
+			if bAt != 0 && bAt < lost {
+				t.Errorf("%s (N=1, TTL %v, engine timeout 5 s): holder A cut off from Redis kept Lost open %v after Redis's expiry of its lease (ZSCORE read before the cut: %v after the cut); process B was granted the key %v before A's Lost closed: two believed holders",
+					tc.name, ttl, rv3Ms(lost-last.expiry), rv3Ms(before.expiry-cut), rv3Ms(lost-bAt))
+			}
+			bcancel()
+			<-bdone
+			if bl != nil {
+				_ = bl.Release(ctx)
+			}
+		})
+	}
+	t.Cleanup(func() { rv3Settled(t, 15*time.Second) })
+}
+
+// --- (a) A lease delivered fresh while the keeper blocks on a dead BLPOP --
+
+// Process A holds k (N=1) and has a waiter W queued; the keeper blocks in
+// BLPOP. That one connection dies (its reply held forever: the proxy's
+// reply delay is raised before the BLPOP goes out and lowered after its
+// reply came in, so no other connection is hurt). A's holder releases;
+// the release call's reply grants W (a grant to the calling process), W's
+// last refresh being older than TTL/3: the lease is delivered "fresh", and
+// lapse leaves it to the keeper, which is stuck in BLPOP until the
+// client's read timeout. No extension is on its way; Redis is healthy.
+func TestReviewLease3FreshLeaseDeadBlpop(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		ttl  time.Duration
+	}{
+		{"fresh/ttl600ms", 600 * time.Millisecond},
+		{"control-notFresh/ttl1200ms", 1200 * time.Millisecond}, // W refreshed < TTL/3 before the grant
+		{"close/ttl600ms", 600 * time.Millisecond},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			ctx := context.Background()
+			var p *redistest.Proxy
+			var armed atomic.Bool
+			var blpopTook atomic.Int64
+			hook := rv3Hook{
+				before: func(cmd redis.Cmder) {
+					if cmd.Name() == "blpop" && armed.CompareAndSwap(true, false) {
+						p.SetReplyDelay(time.Hour) // this connection's reply will be held forever
+						blpopTook.Store(-1)
+					}
+				},
+				after: func(cmd redis.Cmder, took time.Duration) {
+					if cmd.Name() == "blpop" && blpopTook.Load() == -1 {
+						blpopTook.Store(int64(took))
+					}
+				},
+			}
+			p, aEng := rv3Proxied(t, e, 5*time.Second, nil, hook)
+			t.Cleanup(func() { p.SetReplyDelay(0); p.Sever() })
+			a := rv3Sem(t, aEng, 1, lease.WithTTL(tc.ttl), lease.WithPollInterval(50*time.Millisecond))
+			b := rv3Sem(t, e.eng, 1, lease.WithTTL(tc.ttl))
+			require.NoError(t, a.Load(ctx))
+			require.NoError(t, b.Load(ctx))
+			l0, err := a.Acquire(ctx, "k")
+			require.NoError(t, err)
+			wch := make(chan *lease.Lease, 1)
+			go func() {
+				l, err := a.Acquire(ctx, "k")
+				if err != nil {
+					wch <- nil
+					return
+				}
+				wch <- l
+			}()
+			waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 1 })
+			time.Sleep(100 * time.Millisecond)
+			armed.Store(true)
+			waitFor(t, func() bool { return blpopTook.Load() == -1 })
+			time.Sleep(300 * time.Millisecond) // the BLPOP's nil reply (after <= 50 ms + Redis's tick) comes in, held
+			p.SetReplyDelay(0)
+			require.NoError(t, l0.Release(ctx)) // its reply grants W
+			l1 := <-wch
+			require.NotNil(t, l1)
+			got := rv3Now(e.rdb)
+			seen := rv3Look(ctx, e.rdb, e, "k", l1.Token())
+			lostAt := rv3LostAt(e.rdb, l1)
+			if tc.name == "close/ttl600ms" {
+				cctx, cancel := context.WithTimeout(ctx, time.Second)
+				t0 := time.Now()
+				cerr := a.Close(cctx)
+				took := time.Since(t0)
+				cancel()
+				select {
+				case <-l1.Lost():
+				default:
+					t.Errorf("Close returned (%v) with the lease's Lost open", cerr)
+				}
+				t.Logf("close: Close(1 s ctx) with the keeper in a dead BLPOP returned %v after %v", cerr, took.Round(time.Millisecond))
+				if took > 1500*time.Millisecond {
+					t.Errorf("Close with a 1 s context returned after %v", took.Round(time.Millisecond))
+				}
+				h, _ := rv3Live(e.rdb, e.key("k", "h"))
+				w, _ := rv3Live(e.rdb, e.key("k", "w"))
+				if h+w != 0 {
+					t.Errorf("after Close: %d live holders, %d live waiters in Redis", h, w)
+				}
+				return
+			}
+			bGot := make(chan int64, 1)
+			bctx, bcancel := context.WithTimeout(ctx, 10*time.Second)
+			defer bcancel()
+			go func() {
+				if bl, err := b.Acquire(bctx, "k"); err == nil {
+					bGot <- rv3Now(e.rdb)
+					<-bctx.Done()
+					_ = bl.Release(context.Background())
+				}
+			}()
+			var lost, bAt int64
+			select {
+			case lost = <-lostAt:
+			case <-time.After(15 * time.Second):
+				t.Fatal("Lost never closed")
+			}
+			select {
+			case bAt = <-bGot:
+			case <-time.After(tc.ttl):
+			}
+			bcancel()
+			t.Logf("%s: W's lease handed out with %v left in Redis; dead BLPOP returned after %v; Lost closed %v after the Redis expiry; B granted %v after it",
+				tc.name, rv3Ms(seen.expiry-got), rv3Blpop(blpopTook.Load()), rv3Ms(lost-seen.expiry), rv3Ms(bAt-seen.expiry))
+			if bAt != 0 && bAt < lost {
+				t.Errorf("%s: Redis healthy but the keeper's BLPOP connection dead: the lease granted to W by A's own Release (delivered fresh) was never extended, Redis dropped it and B was granted the key %v before W's Lost closed (%v after the Redis expiry, no extension on its way): two believed holders, N=1",
+					tc.name, rv3Ms(lost-bAt), rv3Ms(lost-seen.expiry))
+			}
+			_ = l1.Release(ctx)
+		})
+	}
+	t.Cleanup(func() { rv3Settled(t, 10*time.Second) })
+}
+
+func rv3Blpop(took int64) string {
+	if took < 0 {
+		return "(still blocked)"
+	}
+	return time.Duration(took).Round(time.Millisecond).String()
+}
+
+// --- (a)/(b) An acquire reply slower than the TTL -----------------------
+
+// A's acquire call is granted at once in Redis, but its reply takes 400 ms
+// (TTL 300 ms): Acquire hands out a lease whose TTL has passed since the
+// call that granted it was sent, with no extension on its way. B, waiting
+// behind it, gets the key once Redis drops it. Control: a 100 ms reply.
+func TestReviewLease3SlowAcquireReply(t *testing.T) {
+	const ttl = 300 * time.Millisecond
+	for _, delay := range []time.Duration{100 * time.Millisecond, 400 * time.Millisecond} {
+		t.Run(fmt.Sprintf("replyDelay=%v", delay), func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			ctx := context.Background()
+			p, aEng := rv3Proxied(t, e, 5*time.Second, nil)
+			a := rv3Sem(t, aEng, 1, lease.WithTTL(ttl))
+			b := rv3Sem(t, e.eng, 1, lease.WithTTL(ttl))
+			require.NoError(t, a.Load(ctx))
+			require.NoError(t, b.Load(ctx))
+			p.SetReplyDelay(delay)
+			ach := make(chan *lease.Lease, 1)
+			aerr := make(chan error, 1)
+			go func() {
+				l, err := a.Acquire(ctx, "k")
+				aerr <- err
+				ach <- l
+			}()
+			var expiry int64 // A's lease in Redis, read as soon as it is granted there
+			waitFor(t, func() bool {
+				z, _ := e.rdb.ZRangeWithScores(ctx, e.key("k", "h"), 0, -1).Result()
+				if len(z) == 1 {
+					expiry = int64(z[0].Score)
+				}
+				return len(z) == 1
+			})
+			bGot := make(chan int64, 1)
+			bctx, bcancel := context.WithTimeout(ctx, 5*time.Second)
+			defer bcancel()
+			go func() {
+				if bl, err := b.Acquire(bctx, "k"); err == nil {
+					bGot <- rv3Now(e.rdb)
+					<-bctx.Done()
+					_ = bl.Release(context.Background())
+				}
+			}()
+			err := <-aerr
+			l := <-ach
+			if delay > ttl {
+				// The grant came back after its TTL: Acquire gives it back
+				// and says so, rather than hand out a lease that may have
+				// lapsed.
+				require.ErrorIs(t, err, lease.ErrLost)
+				return
+			}
+			require.NoError(t, err)
+			require.NotNil(t, l)
+			ret := rv3Now(e.rdb)
+			openAtReturn := true
+			select {
+			case <-l.Lost():
+				openAtReturn = false
+			default:
+			}
+			seen := rv3Look(ctx, e.rdb, e, "k", l.Token())
+			lostAt := rv3LostAt(e.rdb, l)
+			var lost, bAt int64
+			select {
+			case lost = <-lostAt:
+			case <-time.After(3 * time.Second):
+			}
+			select {
+			case bAt = <-bGot:
+			case <-time.After(500 * time.Millisecond):
+			}
+			bcancel()
+			since := func(at int64) string {
+				if at == 0 {
+					return "never (within the wait)"
+				}
+				return rv3Ms(at - expiry).String()
+			}
+			t.Logf("reply delay %v: Acquire returned %v after the lease's Redis expiry, Lost open=%v, still a holder in Redis=%v; Lost closed after the Redis expiry: %v; B granted after it: %v",
+				delay, rv3Ms(ret-expiry), openAtReturn, seen.held, since(lost), since(bAt))
+			if openAtReturn && bAt != 0 && (lost == 0 || bAt < lost) {
+				t.Errorf("acquire reply %v > TTL %v: Acquire returned a lease %v after its Redis expiry (the TTL had passed since the granting call was sent, nothing on its way) with Lost open; B was granted the key %v after that expiry and %v before A's Lost closed (%v after the expiry): two believed holders, N=1",
+					delay, ttl, rv3Ms(ret-expiry), rv3Ms(bAt-expiry), rv3Ms(lost-bAt), rv3Ms(lost-expiry))
+			}
+			_ = l.Release(ctx)
+		})
+	}
+	t.Cleanup(func() { rv3Settled(t, 10*time.Second) })
+}
+
+// --- (b) At most N believed holders: severed connections, slow replies ---
+
+type rv3Believed struct {
+	mu    sync.Mutex
+	held  map[int64]*lease.Lease
+	rdb   *redis.Client
+	viols atomic.Int64
+	first atomic.Value
+}
+
+func (b *rv3Believed) set(l *lease.Lease, on bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if on {
+		b.held[l.Token()] = l
+	} else {
+		delete(b.held, l.Token())
+	}
+}
+
+// hook flags a leave or release call for a lease whose holder still
+// believes it holds (Lost open, no Release).
+func (b *rv3Believed) hook() rv3Hook {
+	return rv3Hook{before: func(cmd redis.Cmder) {
+		argv, keys := rv3ScriptArgs(cmd)
+		if len(argv) != 4 || len(keys) < 2 {
+			return
+		}
+		id, ok := argv[3].(string)
+		if !ok {
+			return
+		}
+		tok, err := b.rdb.HGet(context.Background(), keys[1], id).Int64()
+		if err != nil {
+			return
+		}
+		b.mu.Lock()
+		l := b.held[tok]
+		b.mu.Unlock()
+		if l == nil {
+			return
+		}
+		select {
+		case <-l.Lost():
+		default:
+			if b.viols.Add(1) == 1 {
+				b.first.Store(fmt.Sprintf("leave/release of %s (token %d) sent while its holder believes it holds", id, tok))
+			}
+		}
+	}}
+}
+
+type rv3Iv struct {
+	from, to time.Duration
+	tok      int64
+	who      string
+}
+
+// rv3Peak returns the most intervals open at once, and where it passed n.
+func rv3Peak(ivs []rv3Iv, n int) (int, []string) {
+	type ev struct {
+		at  time.Duration
+		d   int
+		tok int64
+		who string
+	}
+	var evs []ev
+	for _, x := range ivs {
+		evs = append(evs, ev{x.from, 1, x.tok, x.who}, ev{x.to, -1, x.tok, x.who})
+	}
+	slices.SortFunc(evs, func(a, b ev) int {
+		if a.at != b.at {
+			return int(a.at - b.at)
+		}
+		return a.d - b.d
+	})
+	cur, peak := 0, 0
+	open := map[int64]string{}
+	var bad []string
+	for _, x := range evs {
+		cur += x.d
+		if x.d > 0 {
+			open[x.tok] = x.who
+		} else {
+			delete(open, x.tok)
+		}
+		if cur > n && len(bad) < 3 {
+			var s []string
+			for k, w := range open {
+				s = append(s, fmt.Sprintf("%d(%s)", k, w))
+			}
+			slices.Sort(s)
+			bad = append(bad, fmt.Sprintf("at %v: %v", x.at.Round(time.Millisecond), s))
+		}
+		peak = max(peak, cur)
+	}
+	return peak, bad
+}
+
+func TestReviewLease3OverlapChaos(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	const n = 2
+	// Lost comes a tenth of the TTL before Redis drops a lease: timers and
+	// goroutines on a busy machine (this test runs beside the whole suite)
+	// must be that punctual, so the TTL leaves them 150 ms.
+	ttl := 1500 * time.Millisecond
+	bel := &rv3Believed{held: map[int64]*lease.Lease{}, rdb: e.rdb}
+	p, aEng := rv3Proxied(t, e, time.Second, nil, bel.hook())
+	bEng := rv3Direct(t, e, 2*time.Second, bel.hook())
+	sems := []*lease.Semaphore{
+		rv3Sem(t, aEng, n, lease.WithTTL(ttl)),
+		rv3Sem(t, aEng, n, lease.WithTTL(ttl), lease.WithPollInterval(30*time.Millisecond)),
+		rv3Sem(t, bEng, n, lease.WithTTL(ttl)),
+	}
+	names := []string{"A1", "A2", "B"}
+	base := time.Now()
+	run := 8 * time.Second
+	end := base.Add(run)
+	var mu sync.Mutex
+	var ivs []rv3Iv
+	var lostN, errs, openAtReturn int
+	var wg sync.WaitGroup
+	for si, s := range sems {
+		for w := range 3 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				rng := rand.New(rand.NewPCG(uint64(si)+100, uint64(w)))
+				for time.Now().Before(end) {
+					actx, cancel := context.WithTimeout(ctx, time.Duration(100+rng.IntN(900))*time.Millisecond)
+					l, err := s.Acquire(actx, "k")
+					cancel()
+					if err != nil {
+						mu.Lock()
+						errs++
+						mu.Unlock()
+						time.Sleep(3 * time.Millisecond)
+						continue
+					}
+					from := time.Since(base)
+					bel.set(l, true)
+					stop := time.Now().Add(time.Duration(rng.IntN(300)) * time.Millisecond)
+					to := from
+					lost := false
+					for {
+						// The time is read before Lost is: open when read, the
+						// lease was believed held at that time (read after, a
+						// goroutine descheduled between the two would stretch
+						// the interval past Lost's closing).
+						now := time.Since(base)
+						select {
+						case <-l.Lost():
+							lost = true
+						default:
+							to = now
+						}
+						if lost || time.Now().After(stop) {
+							break
+						}
+						time.Sleep(2 * time.Millisecond)
+					}
+					bel.set(l, false)
+					rctx, rcancel := context.WithTimeout(ctx, 3*time.Second)
+					_ = l.Release(rctx)
+					rcancel()
+					mu.Lock()
+					ivs = append(ivs, rv3Iv{from, to, l.Token(), names[si]})
+					if lost {
+						lostN++
+						if to > from {
+							openAtReturn++
+						}
+					}
+					mu.Unlock()
+				}
+			}()
+		}
+	}
+	chaos := make(chan struct{})
+	chaosDone := make(chan struct{})
+	go func() {
+		defer close(chaosDone)
+		rng := rand.New(rand.NewPCG(3, 3))
+		delays := []time.Duration{0, 0, 10 * time.Millisecond, 50 * time.Millisecond, 150 * time.Millisecond, 350 * time.Millisecond, 600 * time.Millisecond}
+		for {
+			select {
+			case <-chaos:
+				p.SetReplyDelay(0)
+				return
+			case <-time.After(time.Duration(100+rng.IntN(300)) * time.Millisecond):
+				if rng.IntN(3) == 0 {
+					p.Sever()
+				} else {
+					p.SetReplyDelay(delays[rng.IntN(len(delays))])
+				}
+			}
+		}
+	}()
+	wg.Wait()
+	close(chaos)
+	<-chaosDone
+	peak, bad := rv3Peak(ivs, n)
+	t.Logf("%d holds, %d Lost (%d seen open after Acquire returned), %d acquire errors/timeouts, peak %d believed holders", len(ivs), lostN, openAtReturn, errs, peak)
+	if peak > n {
+		t.Errorf("%d believed holders at once (N=%d; replies delayed up to 600 ms, engine timeout 1 s, TTL %v): %v", peak, n, ttl, bad)
+	}
+	if v := bel.viols.Load(); v > 0 {
+		t.Errorf("%d leave/release calls for a lease still believed held; first: %v", v, bel.first.Load())
+	}
+	p.Sever()
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	for _, s := range sems {
+		require.NoError(t, s.Close(cctx))
+	}
+	time.Sleep(ttl + 100*time.Millisecond)
+	h, _ := rv3Live(e.rdb, e.key("k", "h"))
+	w, _ := rv3Live(e.rdb, e.key("k", "w"))
+	if h+w != 0 {
+		t.Errorf("a TTL after every Semaphore closed: %d live holders, %d live waiters in Redis", h, w)
+	}
+	rv3Settled(t, 10*time.Second)
+}
+
+// --- (c) Close while keep calls are out ---------------------------------
+
+func TestReviewLease3CloseKeepCallsOut(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	ttl := 1200 * time.Millisecond
+	var keepOut atomic.Int64
+	p, aEng := rv3Proxied(t, e, 5*time.Second, nil, rv3Hook{
+		before: func(cmd redis.Cmder) {
+			if rv3IsKeep(cmd) {
+				keepOut.Add(1)
+			}
+		},
+		after: func(cmd redis.Cmder, _ time.Duration) {
+			if rv3IsKeep(cmd) {
+				keepOut.Add(-1)
+			}
+		},
+	})
+	a, err := lease.New(aEng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(60*time.Millisecond))
+	require.NoError(t, err)
+	b := rv3Sem(t, e.eng, 1, lease.WithTTL(ttl))
+	require.NoError(t, a.Load(ctx))
+	var held []*lease.Lease
+	for _, k := range []string{"x", "y"} {
+		l, err := a.Acquire(ctx, k)
+		require.NoError(t, err)
+		held = append(held, l)
+	}
+	bl, err := b.Acquire(ctx, "k")
+	require.NoError(t, err)
+	werrs := make(chan error, 3)
+	for range 3 {
+		go func() { _, err := a.Acquire(ctx, "k"); werrs <- err }()
+	}
+	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 3 })
+	p.SetReplyDelay(350 * time.Millisecond)
+	waitFor(t, func() bool { return keepOut.Load() >= 2 })
+	out := keepOut.Load()
+	cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	t0 := time.Now()
+	cerr := a.Close(cctx)
+	took := time.Since(t0)
+	cancel()
+	t.Logf("Close with %d keep calls out (replies 350 ms late): %v after %v", out, cerr, took.Round(time.Millisecond))
+	if took > 3500*time.Millisecond {
+		t.Errorf("Close(3 s ctx) returned after %v", took)
+	}
+	for i, l := range held {
+		select {
+		case <-l.Lost():
+		default:
+			t.Errorf("lease %d: Lost open after Close", i)
+		}
+	}
+	for range 3 {
+		if err := <-werrs; !errors.Is(err, lease.ErrClosed) {
+			t.Errorf("waiter: %v, want ErrClosed", err)
+		}
+	}
+	p.SetReplyDelay(0)
+	// B gives k back: the next holder should be nobody of the closed A.
+	time.Sleep(400 * time.Millisecond) // every held-back reply and request is through
+	require.NoError(t, bl.Release(ctx))
+	time.Sleep(50 * time.Millisecond)
+	for _, k := range []string{"k", "x", "y"} {
+		h, hl := rv3Live(e.rdb, e.key(k, "h"))
+		w, wl := rv3Live(e.rdb, e.key(k, "w"))
+		if h+w != 0 {
+			t.Errorf("key %s after the closed A's calls are all through and B released: %d live holders (%v left), %d live waiters (%v left): ghosts of the closed Semaphore", k, h, hl.Round(time.Millisecond), w, wl.Round(time.Millisecond))
+		}
+	}
+	require.NoError(t, b.Close(ctx))
+	rv3Settled(t, 5*time.Second)
+}
+
+// --- (c) Close while Redis is paused; ghosts after it resumes -------------
+
+func TestReviewLease3CloseRedisPaused(t *testing.T) {
+	srv := redistest.Start(t)
+	c := srv.Client(t)
+	eng, err := throttle.New(c, throttle.WithPrefix("rv3:"), throttle.WithTimeout(300*time.Millisecond))
+	require.NoError(t, err)
+	direct := srv.Client(t)
+	e := &env{srv: srv, rdb: direct, prefix: "rv3:"}
+	ctx := context.Background()
+	ttl := 900 * time.Millisecond
+	a, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(50*time.Millisecond))
+	require.NoError(t, err)
+	l, err := a.Acquire(ctx, "k")
+	require.NoError(t, err)
+	werrs := make(chan error, 2)
+	for range 2 {
+		go func() { _, err := a.Acquire(ctx, "k"); werrs <- err }()
+	}
+	waitFor(t, func() bool { n, _ := direct.ZCard(ctx, e.key("k", "q")).Result(); return n == 2 })
+	time.Sleep(time.Duration(rand.IntN(60)) * time.Millisecond)
+	require.NoError(t, syscall.Kill(srv.Pid(), syscall.SIGSTOP))
+	paused := true
+	defer func() {
+		if paused {
+			_ = syscall.Kill(srv.Pid(), syscall.SIGCONT)
+		}
+	}()
+	time.Sleep(ttl / 2)
+	cctx, cancel := context.WithTimeout(ctx, time.Second)
+	t0 := time.Now()
+	cerr := a.Close(cctx)
+	took := time.Since(t0)
+	cancel()
+	t.Logf("Close(1 s ctx) with Redis paused: %v after %v", cerr, took.Round(time.Millisecond))
+	if took > 1500*time.Millisecond {
+		t.Errorf("Close(1 s ctx) with Redis paused returned after %v", took.Round(time.Millisecond))
+	}
+	select {
+	case <-l.Lost():
+	default:
+		t.Errorf("Close returned with the held lease's Lost open")
+	}
+	for range 2 {
+		if err := <-werrs; !errors.Is(err, lease.ErrClosed) {
+			t.Errorf("waiter: %v, want ErrClosed", err)
+		}
+	}
+	require.NoError(t, syscall.Kill(srv.Pid(), syscall.SIGCONT))
+	paused = false
+	resumed := time.Now()
+	time.Sleep(100 * time.Millisecond) // what was sent while paused runs now
+	h, hl := rv3Live(direct, e.key("k", "h"))
+	w, wl := rv3Live(direct, e.key("k", "w"))
+	t.Logf("100 ms after Redis resumed: %d live holders (latest expiry %v away), %d live waiters (%v away)", h, hl.Round(time.Millisecond), w, wl.Round(time.Millisecond))
+	if hl > ttl+100*time.Millisecond || wl > ttl+100*time.Millisecond {
+		t.Errorf("ghosts of the closed Semaphore outlive the TTL after Redis came back: holders %v, waiters %v left", hl, wl)
+	}
+	rv3Settled(t, 5*time.Second)
+	time.Sleep(time.Until(resumed.Add(ttl + 150*time.Millisecond)))
+	h, _ = rv3Live(direct, e.key("k", "h"))
+	w, _ = rv3Live(direct, e.key("k", "w"))
+	if h+w != 0 {
+		t.Errorf("a TTL after Redis came back: %d live holders, %d live waiters of the closed Semaphore", h, w)
+	}
+}
+
+// --- (d) Release racing the lapse timer and keep calls -------------------
+
+func TestReviewLease3ReleaseRacesLapse(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	ttl := 60 * time.Millisecond
+	bel := &rv3Believed{held: map[int64]*lease.Lease{}, rdb: e.rdb}
+	p, aEng := rv3Proxied(t, e, 2*time.Second, nil, bel.hook())
+	p.SetLatency(3 * time.Millisecond)
+	bEng := rv3Direct(t, e, 2*time.Second, bel.hook())
+	sems := []*lease.Semaphore{rv3Sem(t, aEng, 2, lease.WithTTL(ttl)), rv3Sem(t, bEng, 2, lease.WithTTL(ttl))}
+	end := time.Now().Add(4 * time.Second)
+	var mu sync.Mutex
+	outcomes := map[string]int{}
+	var slowest time.Duration
+	var bad []string
+	var wg sync.WaitGroup
+	for si, s := range sems {
+		for w := range 3 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				rng := rand.New(rand.NewPCG(uint64(si)+7, uint64(w)))
+				for time.Now().Before(end) {
+					actx, cancel := context.WithTimeout(ctx, time.Second)
+					l, err := s.Acquire(actx, "k")
+					cancel()
+					if err != nil {
+						continue
+					}
+					bel.set(l, true)
+					// Stall around the TTL, where the lapse timer and keep
+					// calls race the Release.
+					time.Sleep(ttl - 15*time.Millisecond + time.Duration(rng.IntN(40))*time.Millisecond)
+					bel.set(l, false)
+					rctx, rcancel := context.WithTimeout(ctx, 5*time.Second)
+					var e1, e2 error
+					var dwg sync.WaitGroup
+					t0 := time.Now()
+					dwg.Add(2)
+					go func() { defer dwg.Done(); e1 = l.Release(rctx) }()
+					go func() { defer dwg.Done(); e2 = l.Release(rctx) }()
+					dwg.Wait()
+					took := time.Since(t0)
+					rcancel()
+					mu.Lock()
+					slowest = max(slowest, took)
+					for _, err := range []error{e1, e2} {
+						switch {
+						case err == nil:
+							outcomes["nil"]++
+						case errors.Is(err, lease.ErrLost):
+							outcomes["ErrLost"]++
+						default:
+							outcomes["other"]++
+							if len(bad) < 3 {
+								bad = append(bad, err.Error())
+							}
+						}
+					}
+					mu.Unlock()
+					select {
+					case <-l.Lost():
+					default:
+						if errors.Is(e1, lease.ErrLost) || errors.Is(e2, lease.ErrLost) {
+							t.Errorf("Release returned ErrLost with Lost open")
+						}
+					}
+				}
+			}()
+		}
+	}
+	wg.Wait()
+	t.Logf("Release outcomes (two concurrent Releases per lease): %v; slowest pair %v; other errors %v", outcomes, slowest.Round(time.Millisecond), bad)
+	if outcomes["other"] > 0 {
+		t.Errorf("Release returned neither nil nor ErrLost %d times (Redis healthy): %v", outcomes["other"], bad)
+	}
+	if slowest > 4*time.Second {
+		t.Errorf("a Release took %v", slowest)
+	}
+	if v := bel.viols.Load(); v > 0 {
+		t.Errorf("%d leave/release calls for a lease still believed held; first: %v", v, bel.first.Load())
+	}
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	for _, s := range sems {
+		require.NoError(t, s.Close(cctx))
+	}
+	rv3Settled(t, 5*time.Second)
+}
