@@ -299,12 +299,21 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 // end) is booked again, behind the pause: a pause this Transport stored,
 // and with WithPauseCheck one any process stored.
 func (t *Transport) acquire(ctx context.Context, key string) error {
+	var local time.Duration // spent waiting out pauses Redis did not hold
 	for {
-		asked, err := t.heed(ctx, key)
+		asked, err := t.heed(ctx, key, &local)
 		if err != nil {
 			return err
 		}
-		r, err := t.lim.Reserve(ctx, key)
+		lim := t.lim
+		if mw, ok := lim.MaxWait(); ok && local > 0 {
+			// The max wait counts from the request's start, the local
+			// waits included.
+			if lim, err = t.lim.With(reserve.WithMaxWait(max(mw-local, 0))); err != nil {
+				return err
+			}
+		}
+		r, err := lim.Reserve(ctx, key)
 		if err != nil {
 			return err
 		}
@@ -312,7 +321,7 @@ func (t *Transport) acquire(ctx context.Context, key string) error {
 		if err := r.Wait(ctx); err != nil {
 			return err
 		}
-		if t.pausedSince(key, asked) {
+		if t.pausedSince(key, asked) || t.lostPause(key) {
 			continue
 		}
 		if !t.pauseCheck || !waited {
@@ -373,14 +382,15 @@ func (t *Transport) remember(key string, d time.Duration) *pause {
 
 // heed waits, before a booking of key, until every pause of key this
 // Transport learnt of is stored in Redis, so that the booking comes after
-// it there; a pause that could not be stored is waited out here, since the
-// shared limit may grant slots inside it, unless it ends beyond the
-// request's budget (the limiter's max wait, ctx's deadline less its work
-// estimate): then the request is refused at once, as the limiter refuses,
-// with the pause's end as its retry-after. It returns when the request
-// may book (asked: a pause learnt of after it was not heeded, see
-// pausedSince), or ctx's error if ctx ends first.
-func (t *Transport) heed(ctx context.Context, key string) (asked time.Time, err error) {
+// it there; a pause Redis does not hold (storing it failed, or it was
+// lost: see lostPause) is waited out here, and local counts the time so
+// spent. A request whose budget (the limiter's max wait less local, or
+// ctx's deadline less the work estimate) a pause in force here exceeds is
+// refused at once, as the limiter refuses, with the pause's end as its
+// retry-after. heed returns when the request may book (asked: a pause
+// learnt of after it was not heeded, see pausedSince), or ctx's error if
+// ctx ends first.
+func (t *Transport) heed(ctx context.Context, key string, local *time.Duration) (asked time.Time, err error) {
 	for {
 		t.mu.Lock()
 		p := t.paused[key]
@@ -390,31 +400,39 @@ func (t *Transport) heed(ctx context.Context, key string) (asked time.Time, err 
 			return now, nil // under mu: a pause remembered later is learnt after now
 		}
 		t.mu.Unlock()
+		limit, ok := t.lim.MaxWait()
+		if !ok {
+			limit = deadline.NoCap
+		} else {
+			limit = max(limit-*local, 0)
+		}
+		if budget, bound := deadline.Budget(ctx, now, limit, t.lim.WorkEstimate()); p.until.Sub(now) > budget {
+			if budget < 0 { // no time for the work at all: no retry-after, as the limiter's
+				return time.Time{}, deadline.Refuse(bound, budget, 0)
+			}
+			return time.Time{}, deadline.Refuse(bound, budget, p.until.Sub(now))
+		}
 		select {
 		case <-p.stored:
 		case <-ctx.Done():
 			return time.Time{}, ctx.Err()
 		}
 		t.mu.Lock()
-		unshared := p.unshared
-		t.mu.Unlock()
-		if !unshared {
-			if t.current(key, p) {
-				return time.Now(), nil
+		if !p.unshared {
+			if t.paused[key] == p {
+				asked = time.Now() // under mu, as above
+				t.mu.Unlock()
+				return asked, nil
 			}
+			t.mu.Unlock()
 			continue // a later pause came meanwhile
 		}
-		wait := time.Until(p.until)
-		limit, ok := t.lim.MaxWait()
-		if !ok {
-			limit = deadline.NoCap
-		}
-		if budget, bound := deadline.Budget(ctx, time.Now(), limit, t.lim.WorkEstimate()); wait > budget {
-			return time.Time{}, deadline.Refuse(bound, budget, wait)
-		}
-		timer := time.NewTimer(wait)
+		t.mu.Unlock()
+		start := time.Now()
+		timer := time.NewTimer(time.Until(p.until))
 		select {
 		case <-timer.C:
+			*local += time.Since(start)
 		case <-ctx.Done():
 			timer.Stop()
 			return time.Time{}, ctx.Err()
@@ -422,11 +440,24 @@ func (t *Transport) heed(ctx context.Context, key string) (asked time.Time, err 
 	}
 }
 
-// current reports whether p is still key's pause.
-func (t *Transport) current(key string, p *pause) bool {
+// lostPause reports whether a slot that came now lies inside a pause of
+// key that this Transport stored in Redis before the slot was booked: Redis
+// lost the pause (a restart without persistence, a Reset). The pause is
+// then marked as one Redis does not hold, which heed waits out.
+func (t *Transport) lostPause(key string) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	return t.paused[key] == p
+	p := t.paused[key]
+	if p == nil || p.unshared || !time.Now().Before(p.until) {
+		return false
+	}
+	select {
+	case <-p.stored:
+		p.unshared = true
+		return true
+	default:
+		return false // being stored: pausedSince's business
+	}
 }
 
 // pausedSince reports whether a pause of key learnt of after since is still
