@@ -147,7 +147,8 @@ func TestReviewRuns3LatencyMix(t *testing.T) {
 					switch kind {
 					case 0, 2: // coalesced, or alone
 						var cancel context.CancelFunc = func() {}
-						if rng.IntN(2) == 0 {
+						timed := rng.IntN(2) == 0
+						if timed {
 							ctx, cancel = context.WithTimeout(ctx, time.Duration(100+rng.IntN(1500))*time.Millisecond)
 						}
 						lim := l
@@ -156,6 +157,12 @@ func TestReviewRuns3LatencyMix(t *testing.T) {
 						}
 						r, err := lim.ReserveN(ctx, subj, 1+rng.IntN(maxN))
 						cancel()
+						if timed && errors.Is(err, context.DeadlineExceeded) {
+							// Its deadline (100 ms at least) passed while the call
+							// was out, on a busy machine: ReserveN's documented
+							// answer, and the caller holds nothing.
+							continue
+						}
 						if err != nil {
 							errs <- fmt.Errorf("ReserveN: %w", err)
 							return
