@@ -523,6 +523,7 @@ func TestReviewLeaseRedisRestart(t *testing.T) {
 func TestReviewLeaseStress(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
+	var givenUp atomic.Int64 // leases whose Lost closed while held
 	const n = 2
 	ttl := 3 * time.Second
 	p, peng := rvProxied(t, e, 2*time.Second)
@@ -584,14 +585,17 @@ func TestReviewLeaseStress(t *testing.T) {
 					from := time.Since(base)
 					time.Sleep(time.Duration(rng.IntN(8)) * time.Millisecond)
 					to := time.Since(base)
+					// Lost is strict (9/10 of the TTL after the grant's or
+					// last extension's sending, on this process's clock): on a
+					// starved machine a lease can be given up while held, and
+					// its Release then says ErrLost. Counted, not a defect;
+					// the overlap below is what must never happen.
 					select {
 					case <-l.Lost():
-						mu.Lock()
-						errs = append(errs, "lost while held")
-						mu.Unlock()
+						givenUp.Add(1)
 					default:
 					}
-					if err := l.Release(ctx); err != nil {
+					if err := l.Release(ctx); err != nil && !errors.Is(err, lease.ErrLost) {
 						mu.Lock()
 						errs = append(errs, "release: "+err.Error())
 						mu.Unlock()
@@ -607,9 +611,17 @@ func TestReviewLeaseStress(t *testing.T) {
 	for _, m := range errs {
 		t.Errorf("worker: %s", m)
 	}
-	// Nobody holds or waits now: Redis must agree at once (no ghost).
+	t.Logf("leases given up (Lost) while held: %d", givenUp.Load())
+	// Nobody holds or waits now: Redis must agree at once (no ghost), or,
+	// for leases given up while held, once their keeper's leave call (every
+	// poll interval, 1 s here at most) has gone.
 	h, _ := e.rdb.ZCard(ctx, e.key("k", "h")).Result()
 	q, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result()
+	for end := time.Now().Add(3 * time.Second); givenUp.Load() > 0 && h+q != 0 && time.Now().Before(end); {
+		time.Sleep(20 * time.Millisecond)
+		h, _ = e.rdb.ZCard(ctx, e.key("k", "h")).Result()
+		q, _ = e.rdb.ZCard(ctx, e.key("k", "q")).Result()
+	}
 	if h != 0 || q != 0 {
 		t.Errorf("after every worker released or gave up: %d holders, %d queued in Redis", h, q)
 	}
