@@ -103,8 +103,8 @@
 // are on the wire, so the batch goes out beside them. A merged call is
 // one call for the breaker and the timeout, and for the Observer one for
 // each limiter name among its keys (ObserveCall); each booking's error is
-// the call's: a lost reply is ErrReplyLost for every booking in it. A request leaves while it waits, as a call at the gate
-// does; once sent, its answer comes with the call's, bounded by the
+// the call's: a lost reply is ErrReplyLost for every booking in it. A
+// request leaves while it waits, as a call at the gate does; once sent, its answer comes with the call's, bounded by the
 // engine's timeout rather than by its own context (a caller whose context
 // ends meanwhile gets its booking, not ErrReplyLost). A booking whose key
 // holds a value that is not a TAT, or cannot be written (out of memory),
