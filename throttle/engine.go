@@ -133,6 +133,9 @@ type nodeRef struct {
 	name string
 	b    *breaker
 	gate chan struct{}
+	// blocking counts the gate's tokens held by blocking commands
+	// (HoldConn): at most half the gate.
+	blocking atomic.Int32
 }
 
 // ref returns node's nodeRef, creating it on first use.

@@ -32,6 +32,41 @@ func (e *Engine) RunScript(ctx context.Context, s *Script, keys []string, args .
 	return e.runReply(ctx, s.s, keys, args)
 }
 
+// HoldConn is for a blocking command of another package on key (package
+// lease's BLPOP wake-ups), sent on the engine's client: it takes one of
+// the connection tokens of key's node, which the engine's calls take too,
+// so that they queue for a connection, bounded by their callers' contexts,
+// rather than time out on a pool the blocking commands have emptied (see
+// the engine's gates). It does not wait: ok is false, and nothing is
+// held, while blocking commands hold half the node's tokens, or every
+// token is taken, or the node is unknown (a Cluster whose slot map cannot
+// be read); the caller then does without the blocking command. For a
+// client whose pool size the engine does not know (a Ring), nothing is
+// held and ok is true. Call release once, after the command.
+func (e *Engine) HoldConn(ctx context.Context, key string) (release func(), ok bool) {
+	if e.gates == nil {
+		return func() {}, true
+	}
+	ref, _, err := e.nodeFor(ctx, e.prefix+key, time.Now())
+	if err != nil || ref == e.unread {
+		return nil, false
+	}
+	if int(ref.blocking.Add(1)) > cap(ref.gate)/2 {
+		ref.blocking.Add(-1)
+		return nil, false
+	}
+	select {
+	case ref.gate <- struct{}{}:
+	default:
+		ref.blocking.Add(-1)
+		return nil, false
+	}
+	return func() {
+		<-ref.gate
+		ref.blocking.Add(-1)
+	}, true
+}
+
 // LoadScript sends s to Redis, so that its first run does not pay for a
 // NOSCRIPT round trip (on a Cluster, to the node the client picks). It is
 // optional.
