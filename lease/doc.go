@@ -62,10 +62,14 @@
 // adds the blocking read that wakes it, shared with its process's other
 // waiters of the key, and the polls while it waits. Extensions are one
 // call per process and key every TTL/3, however many leases it holds.
-// The blocking read takes a connection of the client's pool (outside the
-// engine's gate) for up to a second at a time, for each key the process
-// has waiters for: size the client's PoolSize for the engine's calls plus
-// the keys waited on at once.
+// The blocking read takes a connection of the client's pool for up to a
+// second at a time, for each key the process has waiters for, through the
+// engine's gate (throttle.Engine.HoldConn): blocking reads hold at most
+// half the pool, so that they never starve the calls that grant, release
+// and extend leases. A key that finds no connection to spare is served by
+// the poll alone: a grant by another process reaches its waiter within a
+// poll interval. Size the client's PoolSize above twice the keys a
+// process waits on at once for every wake-up to be immediate.
 //
 // # Keys
 //

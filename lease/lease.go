@@ -108,10 +108,10 @@ type Option func(*Semaphore) error
 // that dies frees its leases within the TTL of its last extension. A
 // holder gives its lease up (Lost) when no extension has come back within
 // 9/10 of the TTL of the last successful one's sending, and a lease granted
-// through the queue starts from its waiter's last refresh (up to a poll
-// interval, and a blocking read's lateness, earlier): keep the TTL well
-// above three round trips plus the poll interval, or leases are given up
-// while Redis holds them.
+// by another process's call starts from its waiter's last refresh (up to
+// a poll interval, and a blocking read's lateness, earlier): keep the TTL
+// well above three round trips plus the poll interval, or leases are given
+// up while Redis holds them.
 func WithTTL(d time.Duration) Option {
 	return func(s *Semaphore) error {
 		if d < MinTTL {
@@ -243,16 +243,17 @@ type Lease struct {
 	released bool
 	wasLost  bool
 	// deadline is when the lease may lapse in Redis, on this process's
-	// clock: validFor after the latest call that granted or extended it
-	// was sent (for a grant made by another process's call, after the
-	// latest call that found its waiter not yet granted). lapse closes
-	// lost then, unless an extension has moved it.
+	// clock: validFor after the latest call that extended it was sent, or
+	// for a grant, the later of validFor after the latest call that found
+	// its waiter not yet granted and, for a grant reported in a reply, the
+	// call's sending plus the time left Redis reported, less a tenth of the
+	// TTL. lapse closes lost then, unless an extension has moved it.
 	deadline time.Time
 	timer    *time.Timer // runs lapse at deadline
 	// fresh marks a lease granted with less than 2/3 of the TTL left by
-	// its deadline (granted by another process's call, or found by a poll,
-	// while its waiter's latest refresh was a while ago): the keeper
-	// extends it at once rather than at its next interval.
+	// its deadline (granted by another process's call while its waiter's
+	// latest refresh was a while ago, or reported by a slow call): the
+	// keeper extends it at once rather than at its next interval.
 	fresh bool
 }
 
@@ -505,9 +506,15 @@ type reply struct {
 	extra   []string // keep: the held leases found lapsed
 }
 
+// A grant is a lease granted to one of this process's waiters.
 type grant struct {
 	id    string
 	token int64
+	// by is when, at the latest, Redis holds the lease until, on this
+	// process's clock: the sending of the call that reported the grant
+	// plus the time Redis said it had left. Zero for a grant read from a
+	// wake-up list, which says nothing of when it was made.
+	by time.Time
 }
 
 // run runs script for key with the common arguments, then id-specific
@@ -515,11 +522,12 @@ type grant struct {
 // lapsed leases it swept.
 func (s *Semaphore) run(ctx context.Context, script *throttle.Script, key string, args ...any) (reply, error) {
 	all := append([]any{s.proc, s.n, s.ttl.Microseconds()}, args...)
+	sent := time.Now()
 	raw, err := s.eng.RunScript(ctx, script, s.keys(key), all...)
 	if err != nil {
 		return reply{}, err
 	}
-	r, err := parse(raw)
+	r, err := parse(raw, sent)
 	if err != nil {
 		return reply{}, fmt.Errorf("lease: %q: %w", key, err)
 	}
@@ -530,8 +538,9 @@ func (s *Semaphore) run(ctx context.Context, script *throttle.Script, key string
 	return r, nil
 }
 
-// parse checks a script's reply: {status, expired, {id, token...}, {id...}}.
-func parse(raw any) (reply, error) {
+// parse checks a script's reply, {status, expired, {id, token, µs
+// left...}, {id...}}, to a call sent at sent.
+func parse(raw any, sent time.Time) (reply, error) {
 	arr, ok := raw.([]any)
 	if !ok || len(arr) != 4 {
 		return reply{}, fmt.Errorf("unexpected reply %T %v, want an array of 4", raw, raw)
@@ -544,16 +553,17 @@ func parse(raw any) (reply, error) {
 		return reply{}, fmt.Errorf("unexpected expired count %T", arr[1])
 	}
 	gs, ok := arr[2].([]any)
-	if !ok || len(gs)%2 != 0 {
+	if !ok || len(gs)%3 != 0 {
 		return reply{}, fmt.Errorf("unexpected grants %T %v", arr[2], arr[2])
 	}
-	for i := 0; i < len(gs); i += 2 {
+	for i := 0; i < len(gs); i += 3 {
 		id, ok1 := gs[i].(string)
 		token, ok2 := gs[i+1].(int64)
-		if !ok1 || !ok2 {
-			return reply{}, fmt.Errorf("unexpected grant %T %T", gs[i], gs[i+1])
+		left, ok3 := gs[i+2].(int64)
+		if !ok1 || !ok2 || !ok3 {
+			return reply{}, fmt.Errorf("unexpected grant %T %T %T", gs[i], gs[i+1], gs[i+2])
 		}
-		r.grants = append(r.grants, grant{id, token})
+		r.grants = append(r.grants, grant{id, token, sent.Add(time.Duration(left) * time.Microsecond)})
 	}
 	ex, ok := arr[3].([]any)
 	if !ok {
@@ -579,7 +589,7 @@ func parseWake(v string) (grant, bool) {
 	if err != nil {
 		return grant{}, false
 	}
-	return grant{id, token}, true
+	return grant{id: id, token: token}, true
 }
 
 // detach returns a context for a call that must go out although the

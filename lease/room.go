@@ -118,7 +118,13 @@ func (s *Semaphore) deliver(key string, gs []grant) {
 			continue // given up, or delivered already
 		}
 		delete(r.waiters, g.id)
-		l := &Lease{sem: s, key: key, id: g.id, token: g.token, lost: make(chan struct{}), deadline: w.since.Add(s.validFor())}
+		// Granted after w.since, so held until w.since plus the TTL at
+		// least; a grant reported with its time left may be held longer.
+		deadline := w.since.Add(s.validFor())
+		if by := g.by.Add(-s.ttl / 10); by.After(deadline) {
+			deadline = by
+		}
+		l := &Lease{sem: s, key: key, id: g.id, token: g.token, lost: make(chan struct{}), deadline: deadline}
 		l.timer = time.AfterFunc(time.Until(l.deadline), func() { s.lapse(l) })
 		l.fresh = time.Until(l.deadline) < 2*s.ttl/3
 		if l.fresh {
@@ -263,11 +269,14 @@ func (s *Semaphore) keep(r *room) {
 			continue
 		}
 		if block {
-			s.block(wakeList, r.key, until)
+			blocked := s.block(wakeList, r.key, until)
 			s.mu.Lock()
 			r.blocking = false
 			s.mu.Unlock()
-			continue
+			if blocked {
+				continue
+			}
+			// No connection to spare for it: poll alone this interval.
 		}
 		timer.Reset(until)
 		select {
@@ -305,13 +314,21 @@ func (s *Semaphore) wakeBlocked(ctx context.Context, keys []string) {
 const maxBlock = time.Second
 
 // block waits up to d (at most maxBlock) for a wake-up on list and
-// delivers it.
-func (s *Semaphore) block(list, key string, d time.Duration) {
+// delivers it. It returns false, at once, if the engine has no connection
+// to spare for a blocking read (see throttle.Engine.HoldConn: they may
+// hold half the client's pool), so that they never starve the calls that
+// grant and extend leases; the keeper then finds grants by polling.
+func (s *Semaphore) block(list, key string, d time.Duration) bool {
 	d = min(max(d, 10*time.Millisecond), maxBlock) // BLPOP's 0 is forever
 	ctx, cancel := context.WithTimeout(context.Background(), d+time.Second+4*s.eng.Timeout())
 	defer cancel()
+	release, ok := s.eng.HoldConn(ctx, s.keys(key)[5]+s.proc)
+	if !ok {
+		return false
+	}
 	cmd := redis.NewStringSliceCmd(ctx, "blpop", list, strconv.FormatFloat(d.Seconds(), 'f', 3, 64))
 	_ = s.blpop.Process(ctx, cmd)
+	release()
 	vals, err := cmd.Result()
 	switch {
 	case errors.Is(err, redis.Nil): // timed out: the poll comes next
@@ -327,6 +344,7 @@ func (s *Semaphore) block(list, key string, d time.Duration) {
 			s.deliver(key, []grant{g})
 		}
 	}
+	return true
 }
 
 // keepCall extends r's leases and refreshes its waiters in one call,

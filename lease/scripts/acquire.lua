@@ -7,8 +7,7 @@ sweep()
 local id = ARGV[4]
 local held = redis.call('HGET', T, id)
 if held then -- granted already (a retry after a lost reply)
-  mine[#mine + 1] = id
-  mine[#mine + 1] = tonumber(held)
+  granted(id, held)
   return finish(1)
 end
 if ARGV[5] == 'try' then
@@ -16,6 +15,7 @@ if ARGV[5] == 'try' then
   if redis.call('ZCARD', Q) == 0 and redis.call('ZCARD', H) < limit then
     mine[#mine + 1] = id
     mine[#mine + 1] = grant(id)
+    mine[#mine + 1] = ttl
     return finish(1)
   end
   return finish(0)

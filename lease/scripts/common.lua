@@ -21,7 +21,7 @@ local H, T, Q, W, C, NB = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local proc = ARGV[1]
 local limit = tonumber(ARGV[2])
 local ttl = tonumber(ARGV[3])
-local mine = {}  -- grants to the calling process: id, token, id, token...
+local mine = {}  -- grants to the calling process: id, token, time left (µs), ...
 local expired = 0
 
 local function fmt(n) return string.format('%d', n) end
@@ -53,6 +53,13 @@ local function grant(id)
   return token
 end
 
+-- granted adds id, held already with token, to mine, with its time left.
+local function granted(id, token)
+  mine[#mine + 1] = id
+  mine[#mine + 1] = tonumber(token)
+  mine[#mine + 1] = tonumber(redis.call('ZSCORE', H, id) or now) - now
+end
+
 -- admit grants leases to the waiters at the head of the queue while fewer
 -- than N are held, first come first served. A grant to the calling process
 -- goes in its reply; one to another process goes on that process's list.
@@ -69,6 +76,7 @@ local function admit()
     if p == proc then
       mine[#mine + 1] = id
       mine[#mine + 1] = token
+      mine[#mine + 1] = ttl
     else
       local n = NB .. p
       redis.call('RPUSH', n, id .. ' ' .. fmt(token))
@@ -89,7 +97,9 @@ local function expireLike(key, zset)
   redis.call('PEXPIRE', key, fmt(math.ceil((tonumber(last[2]) - now) / 1000) + 1000))
 end
 
--- finish sets the expiries and returns {status, expired, mine, extra}.
+-- finish sets the expiries and returns {status, expired, mine, extra}:
+-- mine holds each grant to the calling process as id, token and the
+-- microseconds Redis holds it for from now.
 local function finish(status, extra)
   expireLike(H, H)
   expireLike(T, H)

@@ -21,8 +21,7 @@ for i = 5 + h, #ARGV do
   local id = ARGV[i]
   local token = redis.call('HGET', T, id)
   if token then
-    mine[#mine + 1] = id
-    mine[#mine + 1] = tonumber(token)
+    granted(id, token)
     redis.call('LREM', NB .. proc, 0, id .. ' ' .. token)
   else
     if not redis.call('ZSCORE', Q, id) then

@@ -1,0 +1,213 @@
+package lease_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/slotbook/slotbook/internal/redistest"
+	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+// redisLeft returns, for each lease of subject standing in Redis, its
+// fencing token and how long Redis still holds it (its expiry in the
+// holders set less Redis's TIME).
+func (e *env) redisLeft(ctx context.Context, subject string) (map[int64]time.Duration, error) {
+	toks, err := e.rdb.HGetAll(ctx, e.key(subject, "t")).Result()
+	if err != nil {
+		return nil, err
+	}
+	now, err := e.rdb.Time(ctx).Result()
+	if err != nil {
+		return nil, err
+	}
+	left := make(map[int64]time.Duration, len(toks))
+	for id, tok := range toks {
+		exp, err := e.rdb.ZScore(ctx, e.key(subject, "h"), id).Result()
+		if errors.Is(err, redis.Nil) {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		n, err := strconv.ParseInt(tok, 10, 64)
+		if err != nil {
+			return nil, err
+		}
+		left[n] = time.Duration(int64(exp)-now.UnixMicro()) * time.Microsecond
+	}
+	return left, nil
+}
+
+// TestSmallPoolNoFalseLost waits on more keys at once than the client has
+// pooled connections (5 keys, PoolSize 3), with a healthy, idle Redis and
+// a TTL of 3 s: the keepers' blocking reads must not starve the calls
+// that grant and extend leases, and no lease may be given up (an Acquire
+// answering ErrLost, or Lost closing) while Redis still holds it for more
+// than half its TTL. Judged on Redis: the time left is its expiry in the
+// holders set less Redis's TIME, read when the lease is given up; a
+// lease Acquire gave up is found by its token, which no caller held.
+func TestSmallPoolNoFalseLost(t *testing.T) {
+	e := newEnv(t)
+	opts := e.srv.Options()
+	opts.PoolSize = 3
+	rdb := redis.NewClient(opts)
+	t.Cleanup(func() { _ = rdb.Close() })
+	eng, err := throttle.New(rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(time.Second))
+	require.NoError(t, err)
+	const ttl = 3 * time.Second
+	s, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = s.Close(context.Background()) })
+
+	const keys, perKey, run, hold = 5, 4, 8 * time.Second, 300 * time.Millisecond
+	ctx := context.Background()
+	var (
+		mu       sync.Mutex
+		held     = make(map[string]map[int64]bool)          // tokens handed to callers, by key
+		seen     = make(map[string]map[int64]time.Duration) // tokens standing in Redis when Acquire answered ErrLost
+		falseErr []string                                   // Lost closed with time left in Redis
+		errs     []error
+		grants   int
+	)
+	for k := range keys {
+		held[fmt.Sprint("k", k)] = make(map[int64]bool)
+		seen[fmt.Sprint("k", k)] = make(map[int64]time.Duration)
+	}
+	end := time.Now().Add(run)
+	var wg sync.WaitGroup
+	for k := range keys {
+		key := fmt.Sprint("k", k)
+		for range perKey {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for time.Now().Before(end) {
+					actx, cancel := context.WithTimeout(ctx, 30*time.Second)
+					l, err := s.Acquire(actx, key)
+					cancel()
+					if errors.Is(err, lease.ErrLost) {
+						left, rerr := e.redisLeft(ctx, key)
+						mu.Lock()
+						for tok, d := range left {
+							seen[key][tok] = max(seen[key][tok], d)
+						}
+						if rerr != nil {
+							errs = append(errs, rerr)
+						}
+						mu.Unlock()
+						continue
+					}
+					if err != nil {
+						mu.Lock()
+						errs = append(errs, err)
+						mu.Unlock()
+						return
+					}
+					mu.Lock()
+					held[key][l.Token()] = true
+					grants++
+					mu.Unlock()
+					select {
+					case <-l.Lost():
+						left, rerr := e.redisLeft(ctx, key)
+						mu.Lock()
+						if rerr != nil {
+							errs = append(errs, rerr)
+						} else if d := left[l.Token()]; d > ttl/2 {
+							falseErr = append(falseErr, fmt.Sprintf("%s token %d: Lost closed with %v left in Redis", key, l.Token(), d))
+						}
+						mu.Unlock()
+					case <-time.After(hold):
+					}
+					_ = l.Release(ctx)
+				}
+			}()
+		}
+	}
+	wg.Wait()
+	require.Empty(t, errs, "Acquire or the judge's reads failed")
+	for key, toks := range seen {
+		for tok, d := range toks {
+			if !held[key][tok] && d > ttl/2 {
+				falseErr = append(falseErr, fmt.Sprintf("%s token %d: Acquire answered ErrLost with %v left in Redis", key, tok, d))
+			}
+		}
+	}
+	t.Logf("%d leases handed out over %v", grants, run)
+	require.Empty(t, falseErr, "leases given up while Redis held them")
+	// With 1 lease per key held 300 ms at a time, 5 keys serve about 130
+	// leases in 8 s; a starved pool serves a fraction of that.
+	require.Greater(t, grants, keys*int(run/hold)/3, "leases handed out")
+}
+
+// TestGrantInReplyCountsFromItsCall: a lease granted in the reply of this
+// process's own call (here a Release handing the lease to the next
+// waiter) is held for the TTL from when that call ran, however long ago
+// its waiter was last refreshed. Redis is paused (CLIENT PAUSE) from just
+// before the Release is sent until past the TTL of the waiter's last
+// refresh; the grant then comes back with its whole TTL left in Redis,
+// and Acquire must hand it out, not give it up with ErrLost.
+func TestGrantInReplyCountsFromItsCall(t *testing.T) {
+	srv := redistest.Start(t)
+	srv.RequireReal(t)
+	opts := srv.Options()
+	opts.ReadTimeout = 10 * time.Second // longer than the pause
+	rdb := redis.NewClient(opts)
+	t.Cleanup(func() { _ = rdb.Close() })
+	const prefix = "reply:"
+	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(10*time.Second))
+	require.NoError(t, err)
+	e := &env{srv: srv, rdb: srv.Client(t), prefix: prefix}
+	const ttl = 6 * time.Second
+	s, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(ttl/3))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = s.Close(context.Background()) })
+	ctx := context.Background()
+
+	start := time.Now()
+	h, err := s.Acquire(ctx, "k")
+	require.NoError(t, err)
+	type result struct {
+		l   *lease.Lease
+		err error
+	}
+	got := make(chan result, 1)
+	go func() {
+		l, err := s.Acquire(ctx, "k")
+		got <- result{l, err}
+	}()
+	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 1 })
+	// The waiter's first refresh comes a poll interval (2 s) after the
+	// room was made; pause before it, and past the waiter's TTL.
+	time.Sleep(time.Until(start.Add(ttl/3 - 300*time.Millisecond)))
+	pause := ttl - ttl/3 + ttl/4
+	require.NoError(t, e.rdb.Do(ctx, "client", "pause", pause.Milliseconds(), "all").Err())
+	released := make(chan error, 1)
+	go func() { released <- h.Release(ctx) }()
+
+	r := <-got
+	require.NoError(t, r.err, "Acquire of a lease granted with its whole TTL left")
+	// The holder's own lease lapsed in Redis during the pause (its TTL
+	// ran out before the Release ran), so its Release may say so.
+	if err := <-released; err != nil {
+		require.ErrorIs(t, err, lease.ErrLost)
+	}
+	left, err := e.redisLeft(ctx, "k")
+	require.NoError(t, err)
+	require.Greater(t, left[r.l.Token()], ttl/2, "the lease's time left in Redis")
+	select {
+	case <-r.l.Lost():
+		t.Fatal("Lost closed on a lease Redis holds")
+	case <-time.After(ttl / 3):
+	}
+	require.NoError(t, r.l.Release(ctx))
+}
