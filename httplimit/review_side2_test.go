@@ -16,9 +16,7 @@ import (
 	"io"
 	"math/rand"
 	"net/http"
-	"net/http/httptest"
 	"runtime"
-	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -26,7 +24,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/httplimit"
@@ -37,200 +34,14 @@ import (
 
 // ---------------------------------------------------------------- helpers
 
-type rv2Arrival struct {
-	at time.Time
-	id string
-}
-
-// rv2Up records when each request arrived and answers as answer says.
-type rv2Up struct {
-	*httptest.Server
-	mu       sync.Mutex
-	arrivals []rv2Arrival
-	answer   func(n int, r *http.Request, w http.ResponseWriter)
-	client   *http.Transport
-}
-
-func rv2NewUp(t *testing.T, answer func(n int, r *http.Request, w http.ResponseWriter)) *rv2Up {
-	u := &rv2Up{answer: answer, client: &http.Transport{}}
-	u.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		u.mu.Lock()
-		u.arrivals = append(u.arrivals, rv2Arrival{at: time.Now(), id: r.Header.Get("X-RV-ID")})
-		n := len(u.arrivals)
-		u.mu.Unlock()
-		_, _ = io.Copy(io.Discard, r.Body)
-		if u.answer != nil {
-			u.answer(n, r, w)
-		}
-	}))
-	t.Cleanup(func() { u.client.CloseIdleConnections(); u.Close() })
-	return u
-}
-
-func (u *rv2Up) got() []rv2Arrival {
-	u.mu.Lock()
-	defer u.mu.Unlock()
-	return append([]rv2Arrival(nil), u.arrivals...)
-}
-
-func (u *rv2Up) gotID(id string) (time.Time, bool) {
-	for _, a := range u.got() {
-		if a.id == id {
-			return a.at, true
-		}
-	}
-	return time.Time{}, false
-}
-
-type rv2Body struct {
-	io.Reader
-	closes atomic.Int32
-}
-
-func (b *rv2Body) Close() error { b.closes.Add(1); return nil }
-
-func rv2Req(t *testing.T, ctx context.Context, url, id string, body io.Reader) *http.Request {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, body)
-	require.NoError(t, err)
-	req.Header.Set("X-RV-ID", id)
-	return req
-}
-
-func rv2Drain(resp *http.Response) {
-	if resp != nil {
-		_, _ = io.Copy(io.Discard, resp.Body)
-		_ = resp.Body.Close()
-	}
-}
-
-// rv2Hook intercepts the engine's calls. pause, if set, is called before
-// each call of the pause script with the subject it pauses (the text between
-// "{" and "}" of its first key); its error fails the call unsent. after, if
-// set, is called once any other call (a booking, a read) has its reply.
-type rv2Hook struct {
-	mu    sync.Mutex
-	sig   string // the pause script's SHA (or body), learnt
-	learn bool
-	pause func(ctx context.Context, subject string) error
-	after func(subject string)
-}
-
-func (h *rv2Hook) DialHook(next redis.DialHook) redis.DialHook { return next }
-
-func rv2Subject(args []any) string {
-	if len(args) < 4 {
-		return ""
-	}
-	k, _ := args[3].(string)
-	i := strings.Index(k, "{")
-	j := strings.LastIndex(k, "}")
-	if i < 0 || j <= i {
-		return k
-	}
-	return k[i+1 : j]
-}
-
-func (h *rv2Hook) isPause(args []any) bool {
-	if len(args) < 2 {
-		return false
-	}
-	s, _ := args[1].(string)
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	if h.learn {
-		h.sig = s
-		return false
-	}
-	return s != "" && s == h.sig
-}
-
-func (h *rv2Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		args := cmd.Args()
-		if h.isPause(args) {
-			h.mu.Lock()
-			f := h.pause
-			h.mu.Unlock()
-			if f != nil {
-				if err := f(ctx, rv2Subject(args)); err != nil {
-					cmd.SetErr(err)
-					return err
-				}
-			}
-			return next(ctx, cmd)
-		}
-		err := next(ctx, cmd)
-		h.mu.Lock()
-		f := h.after
-		h.mu.Unlock()
-		if f != nil {
-			f(rv2Subject(args))
-		}
-		return err
-	}
-}
-
-func (h *rv2Hook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []redis.Cmder) error {
-		err := next(ctx, cmds)
-		h.mu.Lock()
-		f := h.after
-		h.mu.Unlock()
-		if f != nil {
-			for _, c := range cmds {
-				f(rv2Subject(c.Args()))
-			}
-		}
-		return err
-	}
-}
-
-func (h *rv2Hook) set(pause func(context.Context, string) error, after func(string)) {
-	h.mu.Lock()
-	h.pause, h.after = pause, after
-	h.mu.Unlock()
-}
-
-// rv2Setup builds an engine on a hooked client of the shared server, a
-// limiter on it, and learns the pause script's signature.
-func rv2Setup(t *testing.T, prefix string, limit throttle.Limit, opts ...reserve.Option) (*reserve.Limiter, *rv2Hook) {
-	t.Helper()
-	srv := redistest.Shared(t)
-	c := srv.Client(t)
-	h := &rv2Hook{}
-	c.AddHook(h)
-	eng, err := throttle.New(c, throttle.WithPrefix(prefix), throttle.WithTimeout(time.Second))
-	require.NoError(t, err)
-	lim, err := reserve.New(eng, "rv2", limit, opts...)
-	require.NoError(t, err)
-	bg := context.Background()
-	require.NoError(t, lim.Pause(bg, "rv2-probe", time.Millisecond)) // loads the script
-	h.mu.Lock()
-	h.learn = true
-	h.mu.Unlock()
-	require.NoError(t, lim.Pause(bg, "rv2-probe", time.Millisecond))
-	h.mu.Lock()
-	h.learn = false
-	sig := h.sig
-	h.mu.Unlock()
-	require.NotEmpty(t, sig)
-	// Warm the booking and state scripts.
-	_, err = lim.State(bg, "rv2-probe")
-	require.NoError(t, err)
-	r, err := lim.Reserve(bg, "rv2-probe2")
-	require.NoError(t, err)
-	require.True(t, r.OK())
-	return lim, h
-}
-
 var errRV2Injected = errors.New("rv2: injected pause failure")
 
 // Sanity of the hook: it sees a Transport's pause call and can fail it.
 func TestReviewHTTP2HookSanity(t *testing.T) {
-	lim, h := rv2Setup(t, redistest.Prefix(t), throttle.PerSecond(10, 3))
+	lim, h := rvSetup(t, nil, redistest.Prefix(t), time.Second, throttle.PerSecond(10, 3))
 	var seen atomic.Value
 	h.set(func(_ context.Context, s string) error { seen.Store(s); return errRV2Injected }, nil)
-	up := rv2NewUp(t, func(_ int, _ *http.Request, w http.ResponseWriter) {
+	up := rvNewUp(t, func(_ int, _ *http.Request, w http.ResponseWriter) {
 		w.Header().Set("Retry-After", "2")
 		w.WriteHeader(http.StatusTooManyRequests)
 	})
@@ -238,47 +49,14 @@ func TestReviewHTTP2HookSanity(t *testing.T) {
 	tr, err := httplimit.New(lim, httplimit.WithBase(up.client), httplimit.WithKey(func(*http.Request) string { return "hk" }),
 		httplimit.WithPauseErrorHandler(func(_ *http.Request, _ time.Duration, err error) { perr = err }))
 	require.NoError(t, err)
-	resp, err := tr.RoundTrip(rv2Req(t, context.Background(), up.URL, "a", nil))
+	resp, err := tr.RoundTrip(rvReq(t, context.Background(), up.URL, "a", nil))
 	require.NoError(t, err)
-	rv2Drain(resp)
+	rvDrain(resp)
 	require.ErrorIs(t, perr, errRV2Injected)
 	require.Equal(t, "hk", seen.Load())
 	st, err := lim.State(context.Background(), "hk")
 	require.NoError(t, err)
 	require.Less(t, st.Wait, time.Second, "the failed pause is not in Redis")
-}
-
-// rv2Sent wraps a base RoundTripper, recording when each request was handed
-// to it and when each 429/503 came back from it.
-type rv2Sent struct {
-	mu   sync.Mutex
-	sent map[string]time.Time
-	back map[string]time.Time
-	base http.RoundTripper
-}
-
-func rv2NewSent(base http.RoundTripper) *rv2Sent {
-	return &rv2Sent{sent: map[string]time.Time{}, back: map[string]time.Time{}, base: base}
-}
-
-func (s *rv2Sent) RoundTrip(r *http.Request) (*http.Response, error) {
-	id := r.Header.Get("X-RV-ID")
-	s.mu.Lock()
-	s.sent[id] = time.Now()
-	s.mu.Unlock()
-	resp, err := s.base.RoundTrip(r)
-	if err == nil && resp.StatusCode != http.StatusOK {
-		s.mu.Lock()
-		s.back[id] = time.Now()
-		s.mu.Unlock()
-	}
-	return resp, err
-}
-
-func (s *rv2Sent) at(id string) time.Time {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.sent[id]
 }
 
 // -------------------------------- a second pause learnt while one is stored
@@ -296,10 +74,10 @@ func (s *rv2Sent) at(id string) time.Time {
 // reach the upstream before R2's pause ends.
 func rv2SecondPause(t *testing.T, second string) {
 	bg := context.Background()
-	lim, h := rv2Setup(t, redistest.Prefix(t), throttle.PerSecond(10, 5))
+	lim, h := rvSetup(t, nil, redistest.Prefix(t), time.Second, throttle.PerSecond(10, 5))
 	rel2 := make(chan struct{})
 	var r2At atomic.Int64 // when the upstream answered R2
-	up := rv2NewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
+	up := rvNewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
 		switch r.Header.Get("X-RV-ID") {
 		case "R1":
 			w.Header().Set("Retry-After", "1")
@@ -311,7 +89,7 @@ func rv2SecondPause(t *testing.T, second string) {
 			w.WriteHeader(http.StatusTooManyRequests)
 		}
 	})
-	sent := rv2NewSent(up.client)
+	sent := rvNewSent(up.client)
 	tr, err := httplimit.New(lim, httplimit.WithBase(sent), httplimit.WithKey(func(*http.Request) string { return "k" }))
 	require.NoError(t, err)
 
@@ -348,13 +126,13 @@ func rv2SecondPause(t *testing.T, second string) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			resp, err := tr.RoundTrip(rv2Req(t, bg, up.URL, id, nil))
+			resp, err := tr.RoundTrip(rvReq(t, bg, up.URL, id, nil))
 			if err != nil {
 				t.Errorf("%s: %v", id, err)
 				return
 			}
 			*back = time.Now()
-			rv2Drain(resp)
+			rvDrain(resp)
 		}()
 	}
 	var r1Back, r2Back, wBack time.Time
@@ -429,11 +207,11 @@ func TestReviewHTTP2UnstoredPauseBudget(t *testing.T) {
 		if maxWait {
 			opts = append(opts, reserve.WithMaxWait(500*time.Millisecond))
 		}
-		lim, h := rv2Setup(t, redistest.Prefix(t), throttle.PerSecond(10, 5), opts...)
+		lim, h := rvSetup(t, nil, redistest.Prefix(t), time.Second, throttle.PerSecond(10, 5), opts...)
 		if !stored {
 			h.set(func(context.Context, string) error { return errRV2Injected }, nil)
 		}
-		up := rv2NewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
+		up := rvNewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
 			if r.Header.Get("X-RV-ID") == "R" {
 				w.Header().Set("Retry-After", "3")
 				w.WriteHeader(http.StatusTooManyRequests)
@@ -441,19 +219,19 @@ func TestReviewHTTP2UnstoredPauseBudget(t *testing.T) {
 		})
 		tr, err := httplimit.New(lim, httplimit.WithBase(up.client), httplimit.WithKey(func(*http.Request) string { return "k" }))
 		require.NoError(t, err)
-		resp, err := tr.RoundTrip(rv2Req(t, bg, up.URL, "R", nil))
+		resp, err := tr.RoundTrip(rvReq(t, bg, up.URL, "R", nil))
 		require.NoError(t, err)
-		rv2Drain(resp)
+		rvDrain(resp)
 		ctx, cancel := context.WithTimeout(bg, 5*time.Second)
 		if !maxWait {
 			ctx, cancel = context.WithTimeout(bg, 800*time.Millisecond)
 		}
 		defer cancel()
-		b := &rv2Body{Reader: strings.NewReader("w")}
+		b := &rvBody{Reader: strings.NewReader("w")}
 		start := time.Now()
-		resp, err = tr.RoundTrip(rv2Req(t, ctx, up.URL, "W", b))
+		resp, err = tr.RoundTrip(rvReq(t, ctx, up.URL, "W", b))
 		o := outcome{err: err, elapsed: time.Since(start), closes: b.closes.Load()}
-		rv2Drain(resp)
+		rvDrain(resp)
 		_, o.sent = up.gotID("W")
 		return o
 	}
@@ -494,7 +272,7 @@ func TestReviewHTTP2UnstoredPauseBudget(t *testing.T) {
 func TestReviewHTTP2SlowStore(t *testing.T) {
 	bg := context.Background()
 	t.Run("hook holds the store", func(t *testing.T) {
-		lim, h := rv2Setup(t, redistest.Prefix(t), throttle.PerSecond(10, 5))
+		lim, h := rvSetup(t, nil, redistest.Prefix(t), time.Second, throttle.PerSecond(10, 5))
 		in := make(chan struct{}, 4)
 		h.set(func(ctx context.Context, s string) error {
 			if s != "a" {
@@ -505,7 +283,7 @@ func TestReviewHTTP2SlowStore(t *testing.T) {
 			return ctx.Err()
 		}, nil)
 		var raAt atomic.Int64
-		up := rv2NewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
+		up := rvNewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
 			if r.Header.Get("X-RV-ID") == "Ra" {
 				raAt.Store(time.Now().UnixNano())
 				w.Header().Set("Retry-After", "2")
@@ -518,11 +296,11 @@ func TestReviewHTTP2SlowStore(t *testing.T) {
 			httplimit.WithPauseErrorHandler(func(_ *http.Request, _ time.Duration, err error) { perr.Store(err) }))
 		require.NoError(t, err)
 		req := func(ctx context.Context, id, key string, body io.Reader) (time.Duration, error) {
-			r := rv2Req(t, ctx, up.URL, id, body)
+			r := rvReq(t, ctx, up.URL, id, body)
 			r.Header.Set("X-Key", key)
 			start := time.Now()
 			resp, err := tr.RoundTrip(r)
-			rv2Drain(resp)
+			rvDrain(resp)
 			return time.Since(start), err
 		}
 		ctl, err := req(bg, "B0", "b", nil)
@@ -541,7 +319,7 @@ func TestReviewHTTP2SlowStore(t *testing.T) {
 		require.Less(t, db, ctl+200*time.Millisecond, "key b delayed by key a's hanging store: %v (control %v)", db, ctl)
 		sctx, scancel := context.WithTimeout(bg, 150*time.Millisecond)
 		defer scancel()
-		body := &rv2Body{Reader: strings.NewReader("x")}
+		body := &rvBody{Reader: strings.NewReader("x")}
 		dw, err := req(sctx, "Wshort", "a", body)
 		var ns *httplimit.NotSentError
 		require.ErrorAs(t, err, &ns)
@@ -572,7 +350,7 @@ func TestReviewHTTP2SlowStore(t *testing.T) {
 		redistest.UntilOK(t, func() error { return lim.Pause(bg, "warm", time.Millisecond) })
 		redistest.UntilOK(t, func() error { _, err := lim.Reserve(bg, "warm2"); return err })
 		var rAt atomic.Int64
-		up := rv2NewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
+		up := rvNewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
 			if r.Header.Get("X-RV-ID") == "R" {
 				rAt.Store(time.Now().UnixNano())
 				p.SetReplyDelay(3 * time.Second) // Redis answers late from now on
@@ -585,10 +363,10 @@ func TestReviewHTTP2SlowStore(t *testing.T) {
 			httplimit.WithPauseErrorHandler(func(_ *http.Request, _ time.Duration, err error) { perr.Store(err) }))
 		require.NoError(t, err)
 		start := time.Now()
-		resp, err := tr.RoundTrip(rv2Req(t, bg, up.URL, "R", nil))
+		resp, err := tr.RoundTrip(rvReq(t, bg, up.URL, "R", nil))
 		d := time.Since(start)
 		require.NoError(t, err)
-		rv2Drain(resp)
+		rvDrain(resp)
 		p.SetReplyDelay(0)
 		require.Less(t, d, 1200*time.Millisecond, "bounded by the 300ms pause timeout")
 		require.NotNil(t, perr.Load())
@@ -604,9 +382,9 @@ func TestReviewHTTP2SlowStore(t *testing.T) {
 				var err error
 				for j := 0; j < 20; j++ { // retry while the delayed connections drain
 					var resp *http.Response
-					resp, err = tr.RoundTrip(rv2Req(t, ctx, up.URL, "W"+strconv.Itoa(i), nil))
+					resp, err = tr.RoundTrip(rvReq(t, ctx, up.URL, "W"+strconv.Itoa(i), nil))
 					if err == nil {
-						rv2Drain(resp)
+						rvDrain(resp)
 						return
 					}
 					time.Sleep(100 * time.Millisecond)
@@ -626,66 +404,6 @@ func TestReviewHTTP2SlowStore(t *testing.T) {
 
 // ---------------------------------------------------- two 429s in a row
 
-type rv2Pause struct {
-	back time.Time // RoundTrip returned the 429 to its caller
-	end  time.Time // the upstream's answer + Retry-After
-}
-
-// rv2Replay replays textbook GCRA (virtual scheduling) over arrival
-// instants: an arrival at t conforms if t >= TAT - (tau + slack), then TAT
-// = max(TAT, t) + I. A pause ending at E is TAT = max(TAT, E + tau), in
-// force for arrivals sent after it reached its caller. Slack covers
-// lateness only (a request arrives at or after its slot, at most slack
-// late; slots conforming to GCRA(I, tau) delayed by at most slack conform
-// to GCRA(I, tau+slack)).
-func rv2Replay(arr []rv2Arrival, sent map[string]time.Time, pauses []rv2Pause, I, tau, slack time.Duration) []string {
-	sort.Slice(arr, func(i, j int) bool { return arr[i].at.Before(arr[j].at) })
-	sort.Slice(pauses, func(i, j int) bool { return pauses[i].back.Before(pauses[j].back) })
-	var bad []string
-	var tat time.Time
-	pi := 0
-	for i, a := range arr {
-		for pi < len(pauses) && pauses[pi].back.Before(sent[a.id]) {
-			if e := pauses[pi].end.Add(tau); e.After(tat) {
-				tat = e
-			}
-			pi++
-		}
-		if tat.IsZero() {
-			tat = a.at
-		}
-		if a.at.Before(tat.Add(-(tau + slack))) {
-			bad = append(bad, fmt.Sprintf("arrival %d (%s) at +%v is %v ahead of GCRA(I=%v, tau+slack=%v)",
-				i, a.id, a.at.Sub(arr[0].at).Round(time.Millisecond), tat.Add(-(tau+slack)).Sub(a.at).Round(time.Millisecond), I, tau+slack))
-		}
-		if a.at.After(tat) {
-			tat = a.at
-		}
-		tat = tat.Add(I)
-	}
-	return bad
-}
-
-// rv2Inside lists requests sent after a pause reached its caller that
-// arrived before its end (less slack).
-func rv2Inside(arr []rv2Arrival, sent map[string]time.Time, pauses []rv2Pause, slack time.Duration) []string {
-	var bad []string
-	for _, a := range arr {
-		s, ok := sent[a.id]
-		if !ok {
-			bad = append(bad, a.id+" reached the upstream without passing the base")
-			continue
-		}
-		for _, p := range pauses {
-			if s.After(p.back) && a.at.Before(p.end.Add(-slack)) {
-				bad = append(bad, fmt.Sprintf("%s sent %v after a pause reached its caller arrived %v before its end",
-					a.id, s.Sub(p.back).Round(time.Millisecond), p.end.Sub(a.at).Round(time.Millisecond)))
-			}
-		}
-	}
-	return bad
-}
-
 // R1 and R2 go at once; R1 comes back 429, then R2 (answered once R1's
 // RoundTrip has returned), with Retry-After long then short or short then
 // long; either store may fail. Requests booked before (slots inside the
@@ -698,7 +416,7 @@ func TestReviewHTTP2TwoPauses(t *testing.T) {
 			t.Run(order+"/fail-"+fail, func(t *testing.T) {
 				t.Parallel()
 				bg := context.Background()
-				lim, h := rv2Setup(t, redistest.Prefix(t), throttle.PerSecond(5, 1))
+				lim, h := rvSetup(t, nil, redistest.Prefix(t), time.Second, throttle.PerSecond(5, 1))
 				secs := map[string][2]int{"long-short": {2, 1}, "short-long": {1, 2}}[order]
 				var n atomic.Int32
 				h.set(func(_ context.Context, s string) error {
@@ -714,7 +432,7 @@ func TestReviewHTTP2TwoPauses(t *testing.T) {
 				rel2, r2in := make(chan struct{}), make(chan struct{})
 				var mu sync.Mutex
 				answered := map[string]time.Time{}
-				up := rv2NewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
+				up := rvNewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
 					id := r.Header.Get("X-RV-ID")
 					var d int
 					switch id {
@@ -734,7 +452,7 @@ func TestReviewHTTP2TwoPauses(t *testing.T) {
 					w.Header().Set("Retry-After", strconv.Itoa(d))
 					w.WriteHeader(http.StatusTooManyRequests)
 				})
-				sent := rv2NewSent(up.client)
+				sent := rvNewSent(up.client)
 				tr, err := httplimit.New(lim, httplimit.WithBase(sent), httplimit.WithKey(func(*http.Request) string { return "k" }))
 				require.NoError(t, err)
 				var wg sync.WaitGroup
@@ -743,7 +461,7 @@ func TestReviewHTTP2TwoPauses(t *testing.T) {
 					wg.Add(1)
 					go func() {
 						defer wg.Done()
-						resp, err := tr.RoundTrip(rv2Req(t, bg, up.URL, id, nil))
+						resp, err := tr.RoundTrip(rvReq(t, bg, up.URL, id, nil))
 						if err != nil {
 							t.Errorf("%s: %v", id, err)
 							return
@@ -753,7 +471,7 @@ func TestReviewHTTP2TwoPauses(t *testing.T) {
 							backs[id] = time.Now()
 							mu.Unlock()
 						}
-						rv2Drain(resp)
+						rvDrain(resp)
 					}()
 				}
 				do("R1")
@@ -771,7 +489,7 @@ func TestReviewHTTP2TwoPauses(t *testing.T) {
 				wg.Wait()
 				mu.Lock()
 				defer mu.Unlock()
-				pauses := []rv2Pause{
+				pauses := []rvPause{
 					{back: backs["R1"], end: answered["R1"].Add(time.Duration(secs[0]) * time.Second)},
 					{back: backs["R2"], end: answered["R2"].Add(time.Duration(secs[1]) * time.Second)},
 				}
@@ -779,7 +497,7 @@ func TestReviewHTTP2TwoPauses(t *testing.T) {
 				// an unstored one is only a span no request may arrive in
 				// (this Transport's waiters then book against a refilled
 				// bucket: a burst at its end is within the limit).
-				var storedPauses []rv2Pause
+				var storedPauses []rvPause
 				if fail != "first" && fail != "both" {
 					storedPauses = append(storedPauses, pauses[0])
 				}
@@ -792,10 +510,10 @@ func TestReviewHTTP2TwoPauses(t *testing.T) {
 				for _, a := range arr {
 					t.Logf("%s sent +%v arrived +%v", a.id, sent.sent[a.id].Sub(arr[0].at).Round(time.Millisecond), a.at.Sub(arr[0].at).Round(time.Millisecond))
 				}
-				for _, b := range rv2Inside(arr, sent.sent, pauses, 50*time.Millisecond) {
+				for _, b := range rvInside(arr, sent.sent, pauses, 50*time.Millisecond) {
 					t.Error(b)
 				}
-				for _, b := range rv2Replay(arr, sent.sent, storedPauses, I, I, 100*time.Millisecond) {
+				for _, b := range rvReplay(arr, sent.sent, storedPauses, I, I, 100*time.Millisecond) {
 					t.Error(b)
 				}
 			})
@@ -838,7 +556,7 @@ func TestReviewHTTP2LongKeyMarkerAcrossProcesses(t *testing.T) {
 
 	release := make(chan struct{})
 	var rAt atomic.Int64
-	up := rv2NewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
+	up := rvNewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
 		if r.Header.Get("X-RV-ID") == "R" {
 			<-release
 			rAt.Store(time.Now().UnixNano())
@@ -856,17 +574,17 @@ func TestReviewHTTP2LongKeyMarkerAcrossProcesses(t *testing.T) {
 	rDone := make(chan struct{})
 	go func() {
 		defer close(rDone)
-		resp, err := tr1.RoundTrip(rv2Req(t, bg, up.URL, "R", nil))
+		resp, err := tr1.RoundTrip(rvReq(t, bg, up.URL, "R", nil))
 		if err != nil {
 			t.Errorf("R: %v", err)
 		}
-		rv2Drain(resp)
+		rvDrain(resp)
 	}()
 	require.Eventually(t, func() bool { _, ok := up.gotID("R"); return ok }, 2*time.Second, time.Millisecond)
 	wDone := make(chan error, 1)
 	go func() {
-		resp, err := tr2.RoundTrip(rv2Req(t, bg, up.URL, "W", nil))
-		rv2Drain(resp)
+		resp, err := tr2.RoundTrip(rvReq(t, bg, up.URL, "W", nil))
+		rvDrain(resp)
 		wDone <- err
 	}()
 	require.Eventually(t, func() bool { st, err := lim2.State(bg, key); return err == nil && st.Wait > 800*time.Millisecond },
@@ -923,7 +641,7 @@ func TestReviewHTTP2Concurrent(t *testing.T) {
 		run   = 6 * time.Second
 	)
 	bg := context.Background()
-	lim, h := rv2Setup(t, redistest.Prefix(t), throttle.Every(time.Second, 5, 1))
+	lim, h := rvSetup(t, nil, redistest.Prefix(t), time.Second, throttle.Every(time.Second, 5, 1))
 	var rmu sync.Mutex
 	rng := rand.New(rand.NewSource(time.Now().UnixNano()))
 	failed := map[string]bool{} // ids whose pause store failed
@@ -948,7 +666,7 @@ func TestReviewHTTP2Concurrent(t *testing.T) {
 	var mu sync.Mutex
 	answered := map[string]time.Time{}
 	var nAPI atomic.Int32
-	up := rv2NewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
+	up := rvNewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
 		if r.Header.Get("X-Key") != "api" || nAPI.Add(1)%4 != 0 {
 			return
 		}
@@ -958,7 +676,7 @@ func TestReviewHTTP2Concurrent(t *testing.T) {
 		w.Header().Set("Retry-After", "1")
 		w.WriteHeader(http.StatusTooManyRequests)
 	})
-	sent := rv2NewSent(up.client)
+	sent := rvNewSent(up.client)
 	tr, err := httplimit.New(lim, httplimit.WithBase(sent), httplimit.WithPauseTimeout(500*time.Millisecond),
 		httplimit.WithKey(func(r *http.Request) string { return r.Header.Get("X-Key") }),
 		httplimit.WithPauseErrorHandler(func(r *http.Request, _ time.Duration, _ error) {
@@ -973,8 +691,8 @@ func TestReviewHTTP2Concurrent(t *testing.T) {
 	defer cancel()
 	var wg sync.WaitGroup
 	var seq atomic.Int64
-	var pauses []rv2Pause
-	var storedPauses []rv2Pause
+	var pauses []rvPause
+	var storedPauses []rvPause
 	for c := 0; c < 8; c++ {
 		key := "api"
 		if c >= 6 {
@@ -986,21 +704,21 @@ func TestReviewHTTP2Concurrent(t *testing.T) {
 			for ctx.Err() == nil {
 				id := fmt.Sprintf("%s-%d", key, seq.Add(1))
 				rctx, rcancel := context.WithTimeout(ctx, time.Duration(500+rand.Intn(2500))*time.Millisecond)
-				req := rv2Req(t, rctx, up.URL, id, nil)
+				req := rvReq(t, rctx, up.URL, id, nil)
 				req.Header.Set("X-Key", key)
 				resp, err := tr.RoundTrip(req)
 				if err == nil {
 					if resp.StatusCode != http.StatusOK {
 						now := time.Now()
 						mu.Lock()
-						p := rv2Pause{back: now, end: answered[id].Add(time.Second)}
+						p := rvPause{back: now, end: answered[id].Add(time.Second)}
 						pauses = append(pauses, p)
 						if !failed[id] {
 							storedPauses = append(storedPauses, p)
 						}
 						mu.Unlock()
 					}
-					rv2Drain(resp)
+					rvDrain(resp)
 				} else {
 					var ns *httplimit.NotSentError
 					if !errors.As(err, &ns) && ctx.Err() == nil && !errors.Is(err, context.DeadlineExceeded) {
@@ -1014,7 +732,7 @@ func TestReviewHTTP2Concurrent(t *testing.T) {
 	wg.Wait()
 	mu.Lock()
 	sent.mu.Lock()
-	var api, other []rv2Arrival
+	var api, other []rvArrival
 	for _, a := range up.got() {
 		if strings.HasPrefix(a.id, "api") {
 			api = append(api, a)
@@ -1024,13 +742,13 @@ func TestReviewHTTP2Concurrent(t *testing.T) {
 	}
 	t.Logf("api: %d arrivals, %d pauses (%d stored); other: %d arrivals", len(api), len(pauses), len(storedPauses), len(other))
 	require.NotEmpty(t, pauses)
-	for _, b := range rv2Inside(api, sent.sent, pauses, 50*time.Millisecond) {
+	for _, b := range rvInside(api, sent.sent, pauses, 50*time.Millisecond) {
 		t.Error(b)
 	}
-	for _, b := range rv2Replay(api, sent.sent, storedPauses, I, tau, slack) {
+	for _, b := range rvReplay(api, sent.sent, storedPauses, I, tau, slack) {
 		t.Error(b)
 	}
-	for _, b := range rv2Replay(other, sent.sent, nil, I, tau, slack) {
+	for _, b := range rvReplay(other, sent.sent, nil, I, tau, slack) {
 		t.Error("other: " + b)
 	}
 	require.GreaterOrEqual(t, len(other), int(0.6*float64(run/I)), "key other kept its pace despite api's pauses")
@@ -1066,7 +784,7 @@ func TestReviewHTTP2RedisAwayThenBack(t *testing.T) {
 	require.NoError(t, err)
 	var rAt atomic.Int64
 	restarted := make(chan struct{})
-	up := rv2NewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
+	up := rvNewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
 		if r.Header.Get("X-RV-ID") != "R" {
 			return
 		}
@@ -1080,7 +798,7 @@ func TestReviewHTTP2RedisAwayThenBack(t *testing.T) {
 		w.Header().Set("Retry-After", "2")
 		w.WriteHeader(http.StatusTooManyRequests)
 	})
-	sent := rv2NewSent(up.client)
+	sent := rvNewSent(up.client)
 	var perr atomic.Value
 	tr, err := httplimit.New(lim, httplimit.WithBase(sent), httplimit.WithKey(func(*http.Request) string { return "k" }),
 		httplimit.WithPauseErrorHandler(func(_ *http.Request, _ time.Duration, err error) { perr.Store(err) }))
@@ -1090,10 +808,10 @@ func TestReviewHTTP2RedisAwayThenBack(t *testing.T) {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		resp, err := tr.RoundTrip(rv2Req(t, bg, up.URL, "R", nil))
+		resp, err := tr.RoundTrip(rvReq(t, bg, up.URL, "R", nil))
 		require.NoError(t, err)
 		rBack = time.Now()
-		rv2Drain(resp)
+		rvDrain(resp)
 	}()
 	require.Eventually(t, func() bool { _, ok := up.gotID("R"); return ok }, 2*time.Second, time.Millisecond)
 	errs := make([]error, 5)
@@ -1102,9 +820,9 @@ func TestReviewHTTP2RedisAwayThenBack(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			resp, err := tr.RoundTrip(rv2Req(t, bg, up.URL, "W"+strconv.Itoa(i), nil))
+			resp, err := tr.RoundTrip(rvReq(t, bg, up.URL, "W"+strconv.Itoa(i), nil))
 			errs[i], rets[i] = err, time.Now()
-			rv2Drain(resp)
+			rvDrain(resp)
 		}()
 	}
 	wg.Wait()
@@ -1128,16 +846,16 @@ func TestReviewHTTP2RedisAwayThenBack(t *testing.T) {
 	sent.mu.Lock()
 	defer sent.mu.Unlock()
 	arr := up.got()
-	for _, b := range rv2Inside(arr, sent.sent, []rv2Pause{{back: rBack, end: end}}, 50*time.Millisecond) {
+	for _, b := range rvInside(arr, sent.sent, []rvPause{{back: rBack, end: end}}, 50*time.Millisecond) {
 		t.Error(b)
 	}
-	var after []rv2Arrival
+	var after []rvArrival
 	for _, a := range arr {
 		if a.id != "R" && sent.sent[a.id].After(rBack) {
 			after = append(after, a)
 		}
 	}
-	for _, b := range rv2Replay(after, sent.sent, nil, I, 0, 100*time.Millisecond) {
+	for _, b := range rvReplay(after, sent.sent, nil, I, 0, 100*time.Millisecond) {
 		t.Error(b)
 	}
 }

@@ -11,10 +11,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"math/rand"
 	"net/http"
-	"net/http/httptest"
 	"net/url"
 	"runtime"
 	"sort"
@@ -26,7 +24,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/deadline"
@@ -38,268 +35,7 @@ import (
 
 // ---------------------------------------------------------------- helpers
 
-type rv3Arrival struct {
-	at time.Time
-	id string
-}
-
-type rv3Up struct {
-	*httptest.Server
-	mu       sync.Mutex
-	arrivals []rv3Arrival
-	answer   func(n int, r *http.Request, w http.ResponseWriter)
-	client   *http.Transport
-}
-
-func rv3NewUp(t *testing.T, answer func(n int, r *http.Request, w http.ResponseWriter)) *rv3Up {
-	u := &rv3Up{answer: answer, client: &http.Transport{}}
-	u.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		u.mu.Lock()
-		u.arrivals = append(u.arrivals, rv3Arrival{at: time.Now(), id: r.Header.Get("X-RV-ID")})
-		n := len(u.arrivals)
-		u.mu.Unlock()
-		_, _ = io.Copy(io.Discard, r.Body)
-		if u.answer != nil {
-			u.answer(n, r, w)
-		}
-	}))
-	t.Cleanup(func() { u.client.CloseIdleConnections(); u.Close() })
-	return u
-}
-
-func (u *rv3Up) got() []rv3Arrival {
-	u.mu.Lock()
-	defer u.mu.Unlock()
-	return append([]rv3Arrival(nil), u.arrivals...)
-}
-
-func (u *rv3Up) gotID(id string) (time.Time, bool) {
-	for _, a := range u.got() {
-		if a.id == id {
-			return a.at, true
-		}
-	}
-	return time.Time{}, false
-}
-
-type rv3Body struct {
-	io.Reader
-	closes atomic.Int32
-}
-
-func (b *rv3Body) Close() error { b.closes.Add(1); return nil }
-
-func rv3Req(t *testing.T, ctx context.Context, u, id string, body io.Reader) *http.Request {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, u, body)
-	require.NoError(t, err)
-	req.Header.Set("X-RV-ID", id)
-	return req
-}
-
-func rv3Drain(resp *http.Response) {
-	if resp != nil {
-		_, _ = io.Copy(io.Discard, resp.Body)
-		_ = resp.Body.Close()
-	}
-}
-
-// rv3Hook intercepts the engine's calls: pause (if set) runs before each
-// call of the pause script with its subject, its error failing the call
-// unsent; every call (a pipeline counts once) is counted.
-type rv3Hook struct {
-	mu    sync.Mutex
-	sig   string
-	learn bool
-	pause func(ctx context.Context, subject string) error
-	calls atomic.Int64
-}
-
-func (h *rv3Hook) DialHook(next redis.DialHook) redis.DialHook { return next }
-
-func rv3Subject(args []any) string {
-	if len(args) < 4 {
-		return ""
-	}
-	k, _ := args[3].(string)
-	i, j := strings.Index(k, "{"), strings.LastIndex(k, "}")
-	if i < 0 || j <= i {
-		return k
-	}
-	return k[i+1 : j]
-}
-
-func (h *rv3Hook) isPause(args []any) bool {
-	if len(args) < 2 {
-		return false
-	}
-	s, _ := args[1].(string)
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	if h.learn {
-		h.sig = s
-		return false
-	}
-	return s != "" && s == h.sig
-}
-
-func (h *rv3Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		h.calls.Add(1)
-		args := cmd.Args()
-		if h.isPause(args) {
-			h.mu.Lock()
-			f := h.pause
-			h.mu.Unlock()
-			if f != nil {
-				if err := f(ctx, rv3Subject(args)); err != nil {
-					cmd.SetErr(err)
-					return err
-				}
-			}
-		}
-		return next(ctx, cmd)
-	}
-}
-
-func (h *rv3Hook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []redis.Cmder) error {
-		h.calls.Add(1)
-		return next(ctx, cmds)
-	}
-}
-
-func (h *rv3Hook) setPause(f func(context.Context, string) error) {
-	h.mu.Lock()
-	h.pause = f
-	h.mu.Unlock()
-}
-
 var errRV3Injected = errors.New("rv3: injected pause failure")
-
-// rv3Setup: an engine on a hooked client of srv (the shared one if nil), a
-// limiter, the pause script's signature learnt, scripts warmed.
-func rv3Setup(t *testing.T, srv *redistest.Server, limit throttle.Limit, opts ...reserve.Option) (*reserve.Limiter, *rv3Hook) {
-	t.Helper()
-	return rv3SetupT(t, srv, 500*time.Millisecond, limit, opts...)
-}
-
-func rv3SetupT(t *testing.T, srv *redistest.Server, timeout time.Duration, limit throttle.Limit, opts ...reserve.Option) (*reserve.Limiter, *rv3Hook) {
-	t.Helper()
-	if srv == nil {
-		srv = redistest.Shared(t)
-	}
-	c := srv.Client(t)
-	h := &rv3Hook{}
-	c.AddHook(h)
-	eng, err := throttle.New(c, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(timeout))
-	require.NoError(t, err)
-	lim, err := reserve.New(eng, "rv3", limit, opts...)
-	require.NoError(t, err)
-	bg := context.Background()
-	require.NoError(t, lim.Pause(bg, "rv3-probe", time.Millisecond))
-	h.mu.Lock()
-	h.learn = true
-	h.mu.Unlock()
-	require.NoError(t, lim.Pause(bg, "rv3-probe", time.Millisecond))
-	h.mu.Lock()
-	h.learn = false
-	require.NotEmpty(t, h.sig)
-	h.mu.Unlock()
-	_, err = lim.State(bg, "rv3-probe")
-	require.NoError(t, err)
-	r, err := lim.Reserve(bg, "rv3-probe2")
-	require.NoError(t, err)
-	require.True(t, r.OK())
-	return lim, h
-}
-
-// rv3Sent wraps a base RoundTripper, recording when each request was
-// handed to it.
-type rv3Sent struct {
-	mu   sync.Mutex
-	sent map[string]time.Time
-	base http.RoundTripper
-}
-
-func rv3NewSent(base http.RoundTripper) *rv3Sent {
-	return &rv3Sent{sent: map[string]time.Time{}, base: base}
-}
-
-func (s *rv3Sent) RoundTrip(r *http.Request) (*http.Response, error) {
-	s.mu.Lock()
-	s.sent[r.Header.Get("X-RV-ID")] = time.Now()
-	s.mu.Unlock()
-	return s.base.RoundTrip(r)
-}
-
-func (s *rv3Sent) copy() map[string]time.Time {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	m := make(map[string]time.Time, len(s.sent))
-	for k, v := range s.sent {
-		m[k] = v
-	}
-	return m
-}
-
-type rv3Pause struct {
-	back time.Time // RoundTrip returned the 429 to its caller
-	end  time.Time // the upstream's answer + Retry-After
-}
-
-// rv3Replay: textbook GCRA (virtual scheduling) over arrival instants, as
-// rv2Replay: conforming if t >= TAT - (tau+slack); TAT = max(TAT, t) + I; a
-// pause ending at E sets TAT = max(TAT, E+tau) for arrivals sent after it
-// reached its caller.
-func rv3Replay(arr []rv3Arrival, sent map[string]time.Time, pauses []rv3Pause, I, tau, slack time.Duration) []string {
-	arr = append([]rv3Arrival(nil), arr...)
-	pauses = append([]rv3Pause(nil), pauses...)
-	sort.Slice(arr, func(i, j int) bool { return arr[i].at.Before(arr[j].at) })
-	sort.Slice(pauses, func(i, j int) bool { return pauses[i].back.Before(pauses[j].back) })
-	var bad []string
-	var tat time.Time
-	pi := 0
-	for i, a := range arr {
-		for pi < len(pauses) && pauses[pi].back.Before(sent[a.id]) {
-			if e := pauses[pi].end.Add(tau); e.After(tat) {
-				tat = e
-			}
-			pi++
-		}
-		if tat.IsZero() {
-			tat = a.at
-		}
-		if a.at.Before(tat.Add(-(tau + slack))) {
-			bad = append(bad, fmt.Sprintf("arrival %d (%s) at +%v is %v ahead of GCRA(I=%v, tau+slack=%v)",
-				i, a.id, a.at.Sub(arr[0].at).Round(time.Millisecond), tat.Add(-(tau+slack)).Sub(a.at).Round(time.Millisecond), I, tau+slack))
-		}
-		if a.at.After(tat) {
-			tat = a.at
-		}
-		tat = tat.Add(I)
-	}
-	return bad
-}
-
-// rv3Inside lists requests sent after a pause reached its caller that
-// arrived before its end (less slack).
-func rv3Inside(arr []rv3Arrival, sent map[string]time.Time, pauses []rv3Pause, slack time.Duration) []string {
-	var bad []string
-	for _, a := range arr {
-		s, ok := sent[a.id]
-		if !ok {
-			bad = append(bad, a.id+" reached the upstream without passing the base")
-			continue
-		}
-		for _, p := range pauses {
-			if s.After(p.back) && a.at.Before(p.end.Add(-slack)) {
-				bad = append(bad, fmt.Sprintf("%s sent %v after a pause reached its caller arrived %v before its end",
-					a.id, s.Sub(p.back).Round(time.Millisecond), p.end.Sub(a.at).Round(time.Millisecond)))
-			}
-		}
-	}
-	return bad
-}
 
 func rv3CPU() time.Duration {
 	var ru syscall.Rusage
@@ -332,7 +68,7 @@ func TestReviewHTTP3BudgetWhileStoring(t *testing.T) {
 			opts = append(opts, reserve.WithMaxWait(400*time.Millisecond))
 		}
 		// The engine's timeout (2 s) lets the held store run its 900 ms.
-		lim, h := rv3SetupT(t, nil, 2*time.Second, throttle.PerSecond(10, 5), opts...)
+		lim, h := rvSetup(t, nil, redistest.Prefix(t), 2*time.Second, throttle.PerSecond(10, 5), opts...)
 		in := make(chan struct{})
 		var once sync.Once
 		h.setPause(func(ctx context.Context, s string) error {
@@ -352,7 +88,7 @@ func TestReviewHTTP3BudgetWhileStoring(t *testing.T) {
 			}
 			return nil
 		})
-		up := rv3NewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
+		up := rvNewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
 			if r.Header.Get("X-RV-ID") == "R" {
 				w.Header().Set("Retry-After", "3")
 				w.WriteHeader(http.StatusTooManyRequests)
@@ -363,11 +99,11 @@ func TestReviewHTTP3BudgetWhileStoring(t *testing.T) {
 		rDone := make(chan struct{})
 		go func() {
 			defer close(rDone)
-			resp, err := tr.RoundTrip(rv3Req(t, bg, up.URL, "R", nil))
+			resp, err := tr.RoundTrip(rvReq(t, bg, up.URL, "R", nil))
 			if err != nil {
 				t.Errorf("R: %v", err)
 			}
-			rv3Drain(resp)
+			rvDrain(resp)
 		}()
 		<-in
 		if !held {
@@ -378,11 +114,11 @@ func TestReviewHTTP3BudgetWhileStoring(t *testing.T) {
 			ctx, cancel = context.WithTimeout(bg, 700*time.Millisecond)
 		}
 		defer cancel()
-		b := &rv3Body{Reader: strings.NewReader("w")}
+		b := &rvBody{Reader: strings.NewReader("w")}
 		start := time.Now()
-		resp, err := tr.RoundTrip(rv3Req(t, ctx, up.URL, "W", b))
+		resp, err := tr.RoundTrip(rvReq(t, ctx, up.URL, "W", b))
 		o := outcome{err: err, elapsed: time.Since(start), closes: b.closes.Load()}
-		rv3Drain(resp)
+		rvDrain(resp)
 		<-rDone
 		_, o.sent = up.gotID("W")
 		return o
@@ -426,7 +162,7 @@ func TestReviewHTTP3MaxWaitAcrossUnstoredPause(t *testing.T) {
 	bg := context.Background()
 	const maxWait = time.Second
 	run := func(t *testing.T, stored bool) (waits []time.Duration, refused int) {
-		lim, h := rv3Setup(t, nil, throttle.Every(400*time.Millisecond, 1, 0), reserve.WithMaxWait(maxWait))
+		lim, h := rvSetup(t, nil, redistest.Prefix(t), 500*time.Millisecond, throttle.Every(400*time.Millisecond, 1, 0), reserve.WithMaxWait(maxWait))
 		if !stored {
 			h.setPause(func(_ context.Context, s string) error {
 				if s == "k" {
@@ -435,18 +171,18 @@ func TestReviewHTTP3MaxWaitAcrossUnstoredPause(t *testing.T) {
 				return nil
 			})
 		}
-		up := rv3NewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
+		up := rvNewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
 			if r.Header.Get("X-RV-ID") == "R" {
 				w.Header().Set("Retry-After", "1")
 				w.WriteHeader(http.StatusTooManyRequests)
 			}
 		})
-		sent := rv3NewSent(up.client)
+		sent := rvNewSent(up.client)
 		tr, err := httplimit.New(lim, httplimit.WithBase(sent), httplimit.WithKey(func(*http.Request) string { return "k" }))
 		require.NoError(t, err)
-		resp, err := tr.RoundTrip(rv3Req(t, bg, up.URL, "R", nil))
+		resp, err := tr.RoundTrip(rvReq(t, bg, up.URL, "R", nil))
 		require.NoError(t, err)
-		rv3Drain(resp)
+		rvDrain(resp)
 		var wg sync.WaitGroup
 		starts := make([]time.Time, 4)
 		errs := make([]error, 4)
@@ -455,9 +191,9 @@ func TestReviewHTTP3MaxWaitAcrossUnstoredPause(t *testing.T) {
 			go func() {
 				defer wg.Done()
 				starts[i] = time.Now()
-				resp, err := tr.RoundTrip(rv3Req(t, bg, up.URL, "W"+strconv.Itoa(i), nil))
+				resp, err := tr.RoundTrip(rvReq(t, bg, up.URL, "W"+strconv.Itoa(i), nil))
 				errs[i] = err
-				rv3Drain(resp)
+				rvDrain(resp)
 			}()
 		}
 		wg.Wait()
@@ -512,7 +248,7 @@ func TestReviewHTTP3RefusalChain(t *testing.T) {
 		case "no time for the work":
 			opts = append(opts, reserve.WithWorkEstimate(time.Second))
 		}
-		lim, h := rv3Setup(t, nil, throttle.PerSecond(10, 5), opts...)
+		lim, h := rvSetup(t, nil, redistest.Prefix(t), 500*time.Millisecond, throttle.PerSecond(10, 5), opts...)
 		if !stored {
 			h.setPause(func(_ context.Context, s string) error {
 				if s == "k" {
@@ -522,7 +258,7 @@ func TestReviewHTTP3RefusalChain(t *testing.T) {
 			})
 		}
 		var ansAt atomic.Int64
-		up := rv3NewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
+		up := rvNewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
 			if r.Header.Get("X-RV-ID") == "R" {
 				ansAt.Store(time.Now().UnixNano())
 				w.Header().Set("Retry-After", "3")
@@ -531,9 +267,9 @@ func TestReviewHTTP3RefusalChain(t *testing.T) {
 		})
 		tr, err := httplimit.New(lim, httplimit.WithBase(up.client), httplimit.WithKey(func(*http.Request) string { return "k" }))
 		require.NoError(t, err)
-		resp, err := tr.RoundTrip(rv3Req(t, bg, up.URL, "R", nil))
+		resp, err := tr.RoundTrip(rvReq(t, bg, up.URL, "R", nil))
 		require.NoError(t, err)
-		rv3Drain(resp)
+		rvDrain(resp)
 		client := &http.Client{Transport: tr}
 		ctx := bg
 		switch mode {
@@ -548,13 +284,13 @@ func TestReviewHTTP3RefusalChain(t *testing.T) {
 			ctx, cancel = context.WithTimeout(bg, 500*time.Millisecond)
 			defer cancel()
 		}
-		b := &rv3Body{Reader: strings.NewReader("w")}
+		b := &rvBody{Reader: strings.NewReader("w")}
 		start := time.Now()
-		resp, err = client.Do(rv3Req(t, ctx, up.URL, "W", b))
+		resp, err = client.Do(rvReq(t, ctx, up.URL, "W", b))
 		end := time.Now()
 		o := outcome{err: err, elapsed: end.Sub(start), closes: b.closes.Load()}
 		o.expect = time.Unix(0, ansAt.Load()).Add(3 * time.Second).Sub(end)
-		rv3Drain(resp)
+		rvDrain(resp)
 		_, o.sent = up.gotID("W")
 		return o
 	}
@@ -607,7 +343,7 @@ func TestReviewHTTP3RefusalChain(t *testing.T) {
 // pauses stored/unstored alternately learnt while requests wait.
 func TestReviewHTTP3NoSpin(t *testing.T) {
 	bg := context.Background()
-	lim, h := rv3Setup(t, nil, throttle.PerSecond(40, 0))
+	lim, h := rvSetup(t, nil, redistest.Prefix(t), 500*time.Millisecond, throttle.PerSecond(40, 0))
 	var holdMode atomic.Int32 // 0 stored, 1 failed, 2 held 1.5s then stored, 3 alternate
 	var nPause atomic.Int32
 	h.setPause(func(ctx context.Context, s string) error {
@@ -630,7 +366,7 @@ func TestReviewHTTP3NoSpin(t *testing.T) {
 		}
 		return nil
 	})
-	up := rv3NewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
+	up := rvNewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
 		if strings.HasPrefix(r.Header.Get("X-RV-ID"), "R") {
 			w.Header().Set("Retry-After", r.Header.Get("X-RA"))
 			w.WriteHeader(http.StatusTooManyRequests)
@@ -639,7 +375,7 @@ func TestReviewHTTP3NoSpin(t *testing.T) {
 	tr, err := httplimit.New(lim, httplimit.WithBase(up.client), httplimit.WithKey(rv3KeyHeader), httplimit.WithPauseTimeout(2*time.Second))
 	require.NoError(t, err)
 	req := func(ctx context.Context, id, key, ra string) (*http.Response, error) {
-		r := rv3Req(t, ctx, up.URL, id, nil)
+		r := rvReq(t, ctx, up.URL, id, nil)
 		r.Header.Set("X-Key", key)
 		r.Header.Set("X-RA", ra)
 		return tr.RoundTrip(r)
@@ -668,7 +404,7 @@ func TestReviewHTTP3NoSpin(t *testing.T) {
 						t.Errorf("%s W%d: %v", key, i, err)
 					}
 				}
-				rv3Drain(resp)
+				rvDrain(resp)
 			}()
 		}
 		return &wg
@@ -687,7 +423,7 @@ func TestReviewHTTP3NoSpin(t *testing.T) {
 	holdMode.Store(1)
 	resp, err := req(bg, "R1", "k1", "2")
 	require.NoError(t, err)
-	rv3Drain(resp)
+	rvDrain(resp)
 	wg := waiters("k1", 40)
 	time.Sleep(200 * time.Millisecond)
 	cpu, calls := measure(time.Second)
@@ -704,7 +440,7 @@ func TestReviewHTTP3NoSpin(t *testing.T) {
 		if err != nil {
 			t.Errorf("R2: %v", err)
 		}
-		rv3Drain(resp)
+		rvDrain(resp)
 	}()
 	time.Sleep(100 * time.Millisecond)
 	wg = waiters("k2", 40)
@@ -733,7 +469,7 @@ func TestReviewHTTP3NoSpin(t *testing.T) {
 					t.Errorf("R3-%d: %v", i, err)
 				}
 			}
-			rv3Drain(resp)
+			rvDrain(resp)
 		}()
 	}
 	time.Sleep(50 * time.Millisecond)
@@ -771,7 +507,7 @@ func TestReviewHTTP3StreamCancels(t *testing.T) {
 		run   = 5 * time.Second
 	)
 	bg := context.Background()
-	lim, h := rv3Setup(t, nil, throttle.Every(time.Second, 5, 1))
+	lim, h := rvSetup(t, nil, redistest.Prefix(t), 500*time.Millisecond, throttle.Every(time.Second, 5, 1))
 	var nStore atomic.Int32
 	var mu sync.Mutex
 	failed := map[string]bool{}
@@ -786,7 +522,7 @@ func TestReviewHTTP3StreamCancels(t *testing.T) {
 	})
 	answered := map[string]time.Time{}
 	var nK atomic.Int32
-	up := rv3NewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
+	up := rvNewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
 		if r.Header.Get("X-Key") != "k" || nK.Add(1)%3 != 0 {
 			return
 		}
@@ -796,7 +532,7 @@ func TestReviewHTTP3StreamCancels(t *testing.T) {
 		w.Header().Set("Retry-After", "1")
 		w.WriteHeader(http.StatusTooManyRequests)
 	})
-	sent := rv3NewSent(up.client)
+	sent := rvNewSent(up.client)
 	tr, err := httplimit.New(lim, httplimit.WithBase(sent), httplimit.WithKey(rv3KeyHeader),
 		httplimit.WithPauseErrorHandler(func(r *http.Request, _ time.Duration, _ error) {
 			mu.Lock()
@@ -814,8 +550,8 @@ func TestReviewHTTP3StreamCancels(t *testing.T) {
 	var wg sync.WaitGroup
 	var seq atomic.Int64
 	var nReq atomic.Int64
-	var pauses, stored []rv3Pause
-	var bodies []*rv3Body
+	var pauses, stored []rvPause
+	var bodies []*rvBody
 	notSent := map[string]int{}
 	for c := 0; c < 10; c++ {
 		key := "k"
@@ -833,11 +569,11 @@ func TestReviewHTTP3StreamCancels(t *testing.T) {
 				if rng.Intn(4) == 0 { // a quarter are cancelled, at a random instant
 					timer.Reset(time.Duration(rng.Intn(1500)) * time.Millisecond)
 				}
-				b := &rv3Body{Reader: strings.NewReader("x")}
+				b := &rvBody{Reader: strings.NewReader("x")}
 				mu.Lock()
 				bodies = append(bodies, b)
 				mu.Unlock()
-				req := rv3Req(t, rctx, up.URL, id, b)
+				req := rvReq(t, rctx, up.URL, id, b)
 				req.Header.Set("X-Key", key)
 				nReq.Add(1)
 				resp, err := tr.RoundTrip(req)
@@ -845,14 +581,14 @@ func TestReviewHTTP3StreamCancels(t *testing.T) {
 					if resp.StatusCode == http.StatusTooManyRequests {
 						now := time.Now()
 						mu.Lock()
-						p := rv3Pause{back: now, end: answered[id].Add(time.Second)}
+						p := rvPause{back: now, end: answered[id].Add(time.Second)}
 						pauses = append(pauses, p)
 						if !failed[id] {
 							stored = append(stored, p)
 						}
 						mu.Unlock()
 					}
-					rv3Drain(resp)
+					rvDrain(resp)
 				} else {
 					var ns *httplimit.NotSentError
 					if errors.As(err, &ns) {
@@ -884,7 +620,7 @@ func TestReviewHTTP3StreamCancels(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	s := sent.copy()
-	var k, o []rv3Arrival
+	var k, o []rvArrival
 	for _, a := range up.got() {
 		if strings.HasPrefix(a.id, "k") {
 			k = append(k, a)
@@ -895,13 +631,13 @@ func TestReviewHTTP3StreamCancels(t *testing.T) {
 	t.Logf("%d requests, %d Redis calls; k: %d arrivals, %d pauses (%d stored); o: %d arrivals; not sent %v",
 		nReq.Load(), calls, len(k), len(pauses), len(stored), len(o), notSent)
 	require.NotEmpty(t, pauses)
-	for _, b := range rv3Inside(k, s, pauses, 50*time.Millisecond) {
+	for _, b := range rvInside(k, s, pauses, 50*time.Millisecond) {
 		t.Error(b)
 	}
-	for _, b := range rv3Replay(k, s, stored, I, tau, slack) {
+	for _, b := range rvReplay(k, s, stored, I, tau, slack) {
 		t.Error(b)
 	}
-	for _, b := range rv3Replay(o, s, nil, I, tau, slack) {
+	for _, b := range rvReplay(o, s, nil, I, tau, slack) {
 		t.Error("o: " + b)
 	}
 	require.GreaterOrEqual(t, len(o), int(0.6*float64(run/I)), "key o kept its pace")
@@ -942,9 +678,9 @@ func TestReviewHTTP3RedisAwayMidPause(t *testing.T) {
 			bg := context.Background()
 			srv := redistest.Start(t)
 			srv.RequireReal(t)
-			lim, _ := rv3Setup(t, srv, throttle.PerSecond(5, 1))
+			lim, _ := rvSetup(t, srv, redistest.Prefix(t), 500*time.Millisecond, throttle.PerSecond(5, 1))
 			var ansAt atomic.Int64
-			up := rv3NewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
+			up := rvNewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
 				if r.Header.Get("X-RV-ID") == "R" {
 					ansAt.Store(time.Now().UnixNano())
 					w.Header().Set("Retry-After", "3")
@@ -955,9 +691,9 @@ func TestReviewHTTP3RedisAwayMidPause(t *testing.T) {
 			tr, err := httplimit.New(lim, httplimit.WithBase(up.client), httplimit.WithKey(func(*http.Request) string { return "k" }),
 				httplimit.WithPauseErrorHandler(func(_ *http.Request, _ time.Duration, err error) { perr.Store(err) }))
 			require.NoError(t, err)
-			resp, err := tr.RoundTrip(rv3Req(t, bg, up.URL, "R", nil))
+			resp, err := tr.RoundTrip(rvReq(t, bg, up.URL, "R", nil))
 			require.NoError(t, err)
-			rv3Drain(resp)
+			rvDrain(resp)
 			require.Nil(t, perr.Load(), "the pause was stored")
 			st, err := lim.State(bg, "k")
 			require.NoError(t, err)
@@ -984,10 +720,10 @@ func TestReviewHTTP3RedisAwayMidPause(t *testing.T) {
 				tries++
 				ctx, cancel := context.WithTimeout(bg, 4*time.Second)
 				id := "W" + strconv.Itoa(tries)
-				resp, err := tr.RoundTrip(rv3Req(t, ctx, up.URL, id, nil))
+				resp, err := tr.RoundTrip(rvReq(t, ctx, up.URL, id, nil))
 				cancel()
 				if err == nil {
-					rv3Drain(resp)
+					rvDrain(resp)
 					at, _ := up.gotID(id)
 					t.Logf("%s sent after %d tries (%d not sent, last %v): arrived %v before the pause's end",
 						id, tries, notSent, lastErr, end.Sub(at).Round(time.Millisecond))

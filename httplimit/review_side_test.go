@@ -10,8 +10,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/httptest"
-	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -19,7 +17,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/httplimit"
@@ -29,87 +26,6 @@ import (
 )
 
 // ---------------------------------------------------------------- helpers
-
-type rvArrival struct {
-	at time.Time
-	id string
-}
-
-// rvUp is an upstream on 127.0.0.1 that records when each request arrived
-// and answers as answer says (nil: 200).
-type rvUp struct {
-	*httptest.Server
-	mu       sync.Mutex
-	arrivals []rvArrival
-	answer   func(n int, r *http.Request, w http.ResponseWriter) // n: 1-based arrival index
-	client   *http.Transport
-}
-
-func rvNewUp(t *testing.T, answer func(n int, r *http.Request, w http.ResponseWriter)) *rvUp {
-	u := &rvUp{answer: answer, client: &http.Transport{}}
-	u.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		u.mu.Lock()
-		u.arrivals = append(u.arrivals, rvArrival{at: time.Now(), id: r.Header.Get("X-RV-ID")})
-		n := len(u.arrivals)
-		u.mu.Unlock()
-		_, _ = io.Copy(io.Discard, r.Body)
-		if u.answer != nil {
-			u.answer(n, r, w)
-		}
-	}))
-	t.Cleanup(func() { u.client.CloseIdleConnections(); u.Close() })
-	return u
-}
-
-func (u *rvUp) host() string { return u.Listener.Addr().String() }
-
-func (u *rvUp) got() []rvArrival {
-	u.mu.Lock()
-	defer u.mu.Unlock()
-	return append([]rvArrival(nil), u.arrivals...)
-}
-
-func (u *rvUp) gotID(id string) (time.Time, bool) {
-	for _, a := range u.got() {
-		if a.id == id {
-			return a.at, true
-		}
-	}
-	return time.Time{}, false
-}
-
-type rvRT func(*http.Request) (*http.Response, error)
-
-func (f rvRT) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
-
-// rvBody counts its closes.
-type rvBody struct {
-	io.Reader
-	closes atomic.Int32
-}
-
-func (b *rvBody) Close() error { b.closes.Add(1); return nil }
-
-func rvEngine(t *testing.T, rdb redis.Scripter, timeout time.Duration) *throttle.Engine {
-	t.Helper()
-	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(timeout))
-	require.NoError(t, err)
-	return eng
-}
-
-func rvReq(t *testing.T, ctx context.Context, url, id string, body io.Reader) *http.Request {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, body)
-	require.NoError(t, err)
-	req.Header.Set("X-RV-ID", id)
-	return req
-}
-
-func rvDrain(resp *http.Response) {
-	if resp != nil {
-		_, _ = io.Copy(io.Discard, resp.Body)
-		_ = resp.Body.Close()
-	}
-}
 
 // ------------------------------------------------ context ends while waiting
 
@@ -657,48 +573,6 @@ func TestReviewHTTPPauseUnstoredWaitersSent(t *testing.T) {
 }
 
 // ------------------------- concurrency, Retry-After, GCRA replay on arrivals
-
-type rvPause struct {
-	back time.Time // the 429 reached its caller: the pause is stored by then
-	end  time.Time // earliest possible end of the stored pause
-}
-
-// rvReplay replays textbook GCRA (virtual scheduling) over the arrival
-// instants: an arrival at t conforms if t >= TAT - (tau + slack), then
-// TAT = max(TAT, t) + I. A pause ending at E (resuming one interval apart)
-// is TAT = max(TAT, E + tau), applied before the first arrival sent after
-// the pause was in place. The slack covers lateness only: a request arrives
-// at or after its slot (slots are on the Redis clock of this same machine,
-// and the local slot is the reply's arrival plus the wait), at most slack
-// late; slots that conform to GCRA(I, tau) delayed by at most slack conform
-// to GCRA(I, tau+slack).
-func rvReplay(arr []rvArrival, sent map[string]time.Time, pauses []rvPause, I, tau, slack time.Duration) []string {
-	sort.Slice(arr, func(i, j int) bool { return arr[i].at.Before(arr[j].at) })
-	sort.Slice(pauses, func(i, j int) bool { return pauses[i].back.Before(pauses[j].back) })
-	var bad []string
-	var tat time.Time
-	pi := 0
-	for i, a := range arr {
-		for pi < len(pauses) && pauses[pi].back.Before(sent[a.id]) {
-			if e := pauses[pi].end.Add(tau); e.After(tat) {
-				tat = e
-			}
-			pi++
-		}
-		if tat.IsZero() {
-			tat = a.at
-		}
-		if a.at.Before(tat.Add(-(tau + slack))) {
-			bad = append(bad, fmt.Sprintf("arrival %d (%s) at +%v is %v ahead of GCRA(I=%v, tau+slack=%v)",
-				i, a.id, a.at.Sub(arr[0].at).Round(time.Millisecond), tat.Add(-(tau+slack)).Sub(a.at).Round(time.Millisecond), I, tau+slack))
-		}
-		if a.at.After(tat) {
-			tat = a.at
-		}
-		tat = tat.Add(I)
-	}
-	return bad
-}
 
 // Two processes (engine, Limiter, Transport each, with WithPauseCheck),
 // three callers each, offering more than the limit while the upstream
