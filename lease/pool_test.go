@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -209,5 +210,111 @@ func TestGrantInReplyCountsFromItsCall(t *testing.T) {
 		t.Fatal("Lost closed on a lease Redis holds")
 	case <-time.After(ttl / 3):
 	}
+	require.NoError(t, r.l.Release(ctx))
+}
+
+// keepHook runs armed, once, right after the first keep call (the only
+// lease script whose fourth argument is a count, not an id) has had its
+// reply, before the keeper sees it: a keep call whose reply is slow.
+type keepHook struct{ armed atomic.Pointer[func()] }
+
+func (h *keepHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h *keepHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+func (h *keepHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if a := cmd.Args(); len(a) > 3 && (a[0] == "evalsha" || a[0] == "eval") {
+			if nk, ok := a[2].(int); ok && len(a) > 3+nk+3 {
+				if _, isCount := a[3+nk+3].(int); isCount {
+					if f := h.armed.Swap(nil); f != nil {
+						(*f)()
+					}
+				}
+			}
+		}
+		return err
+	}
+}
+
+// TestStaleWakeUpNotDelivered: a grant whose wake-up its process did not
+// read before the lease lapsed (its keeper sat in a keep call whose reply
+// was slow) must not be handed out later, when the waiter has joined the
+// queue again behind another process's waiter that now holds the lease.
+// Process A waits; process B holds, then has a waiter of its own. While
+// A's keep call is out, B releases (granting A's waiter, whose wake-up is
+// pushed) and A's keeper stays away past the TTL: the lease lapses
+// unextended, B's waiter is granted, and A's next keep call puts A's
+// waiter back in the queue. Any lease Acquire hands A must be one Redis
+// holds (judged by its token in Redis), and never beside B's.
+func TestStaleWakeUpNotDelivered(t *testing.T) {
+	e := newEnv(t)
+	hook := &keepHook{}
+	rdbA := e.srv.Client(t)
+	rdbA.AddHook(hook)
+	engA, err := throttle.New(rdbA, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second))
+	require.NoError(t, err)
+	const ttl = time.Second
+	opts := []lease.Option{lease.WithTTL(ttl), lease.WithPollInterval(100 * time.Millisecond)}
+	a, err := lease.New(engA, "partner", 1, opts...)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = a.Close(context.Background()) })
+	b := e.sem(t, 1, opts...)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+
+	l1, err := b.Acquire(ctx, "k")
+	require.NoError(t, err)
+	type result struct {
+		l   *lease.Lease
+		err error
+	}
+	gotA := make(chan result, 1)
+	go func() { l, err := a.Acquire(ctx, "k"); gotA <- result{l, err} }()
+	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 1 })
+	gotB := make(chan result, 1)
+	go func() { l, err := b.Acquire(ctx, "k"); gotB <- result{l, err} }()
+	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 2 })
+
+	slow := func() {
+		require.NoError(t, l1.Release(ctx)) // grants A's waiter, at the head of the queue
+		time.Sleep(ttl + ttl/2)             // the reply comes back after the grant's TTL
+	}
+	hook.armed.Store(&slow)
+
+	var bHeld *lease.Lease
+	for bHeld == nil {
+		select {
+		case r := <-gotA:
+			if r.err != nil {
+				t.Logf("A: %v", r.err) // a grant given up as late is the safe answer
+				return
+			}
+			left, err := e.redisLeft(ctx, "k")
+			require.NoError(t, err)
+			_, held := left[r.l.Token()]
+			require.True(t, held, "A was handed lease %d, which Redis does not hold (it holds %v)", r.l.Token(), left)
+			require.NoError(t, r.l.Release(ctx))
+		case r := <-gotB:
+			require.NoError(t, r.err)
+			bHeld = r.l
+		}
+	}
+	// B holds; A waits behind it, and must not be handed a lease now.
+	select {
+	case r := <-gotA:
+		if r.err == nil {
+			left, _ := e.redisLeft(ctx, "k")
+			t.Fatalf("A was handed lease %d while B holds %d (Redis holds %v)", r.l.Token(), bHeld.Token(), left)
+		}
+		t.Logf("A: %v", r.err)
+	case <-time.After(ttl):
+	}
+	require.NoError(t, bHeld.Release(ctx))
+	r := <-gotA
+	require.NoError(t, r.err, "A, granted once B released")
 	require.NoError(t, r.l.Release(ctx))
 }

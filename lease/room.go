@@ -38,7 +38,10 @@ type waiter struct {
 	queued bool        // its acquire call has answered and it waits in the queue
 	// since is when the latest call that found it not yet granted (or its
 	// acquire call, which put it in the queue) was sent: a lease granted
-	// to it cannot have been granted, in Redis, before then.
+	// to it cannot have been granted, in Redis, before then. (The wake-up
+	// of an earlier grant that lapsed unread cannot be read after such a
+	// call: the sweep that drops the lapsed lease, which runs before the
+	// call finds the waiter not granted, takes its wake-up off the list.)
 	since time.Time
 }
 

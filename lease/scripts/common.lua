@@ -29,13 +29,19 @@ local function fmt(n) return string.format('%d', n) end
 local function owner(id) return string.match(id, '^(.*)%.[^.]*$') end
 
 -- sweep drops holders whose expiry has passed (their process stopped
--- extending them: it died, or stalled longer than the TTL) and waiters
--- whose process stopped refreshing them.
+-- extending them: it died, or stalled longer than the TTL), with the
+-- wake-up of a grant its process never read (read later, it would hand
+-- out a lease nobody holds), and waiters whose process stopped
+-- refreshing them.
 local function sweep()
   local dead = redis.call('ZRANGEBYSCORE', H, '-inf', fmt(now))
   for _, id in ipairs(dead) do
+    local token = redis.call('HGET', T, id)
     redis.call('ZREM', H, id)
     redis.call('HDEL', T, id)
+    if token then
+      redis.call('LREM', NB .. owner(id), 0, id .. ' ' .. token)
+    end
   end
   expired = #dead
   local gone = redis.call('ZRANGEBYSCORE', W, '-inf', fmt(now))
