@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -96,6 +97,11 @@ type Engine struct {
 	// out: the client's own saturation is never mistaken for Redis being
 	// down.
 	gates *gates
+	// For a Ring (whose calls are not gated): the most blocking commands
+	// HoldConn lets hold a connection at once, half a shard's pool, and
+	// how many do.
+	ringHoldCap int32
+	ringHolds   atomic.Int32
 
 	// clientBound is the longest of the client's own read, write and dial
 	// timeouts when all are set (0 otherwise): where it is no longer than
@@ -394,6 +400,13 @@ func New(rdb redis.Scripter, opts ...Option) (*Engine, error) {
 	}
 	if n := poolSize(rdb); n > 0 {
 		e.gates = &gates{size: n, byNode: make(map[string]chan struct{})}
+	}
+	if r, ok := rdb.(*redis.Ring); ok {
+		n := r.Options().PoolSize
+		if n <= 0 {
+			n = 10 * runtime.GOMAXPROCS(0) // go-redis's default, per shard
+		}
+		e.ringHoldCap = int32(n / 2)
 	}
 	e.clientBound = clientBound(rdb)
 	if c, ok := rdb.(*redis.ClusterClient); ok {

@@ -2,6 +2,7 @@ package throttle_test
 
 import (
 	"context"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -78,20 +79,41 @@ func TestHoldConnBoundsBlockingCommands(t *testing.T) {
 	release, ok := eng.HoldConn(ctx, "{k}:block")
 	require.True(t, ok, "a hold once the others are released")
 	release()
+	release() // a second release gives back nothing it does not hold
+	for i := range 2 {
+		release, ok := eng.HoldConn(ctx, "{k}:block")
+		require.True(t, ok, "hold %d after a release called twice", i+1)
+		defer release()
+	}
+	_, ok = eng.HoldConn(ctx, "{k}:block")
+	require.False(t, ok, "a third hold after a release called twice")
 }
 
-// TestHoldConnUnknownPool: for a client whose pool size the engine does
-// not know (a Ring), HoldConn holds nothing and always lets the command
-// go.
-func TestHoldConnUnknownPool(t *testing.T) {
+// TestHoldConnRing: a Ring's calls are not gated, but its blocking
+// commands are still bounded by half a shard's pool (go-redis's default
+// pool when PoolSize is unset).
+func TestHoldConnRing(t *testing.T) {
 	e := newEnv(t)
-	ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": e.srv.Addr}, ContextTimeoutEnabled: true})
-	t.Cleanup(func() { _ = ring.Close() })
-	eng, err := throttle.New(ring, throttle.WithPrefix(e.prefix))
-	require.NoError(t, err)
-	for range 20 {
-		release, ok := eng.HoldConn(context.Background(), "{k}:block")
-		require.True(t, ok)
-		defer release()
+	for _, tc := range []struct{ pool, holds int }{{4, 2}, {1, 0}, {0, 10 * runtime.GOMAXPROCS(0) / 2}} {
+		ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": e.srv.Addr}, PoolSize: tc.pool, ContextTimeoutEnabled: true})
+		t.Cleanup(func() { _ = ring.Close() })
+		eng, err := throttle.New(ring, throttle.WithPrefix(e.prefix))
+		require.NoError(t, err)
+		var releases []func()
+		for i := range tc.holds {
+			release, ok := eng.HoldConn(context.Background(), "{k}:block")
+			require.True(t, ok, "pool %d: hold %d", tc.pool, i+1)
+			releases = append(releases, release)
+		}
+		_, ok := eng.HoldConn(context.Background(), "{k}:block")
+		require.False(t, ok, "pool %d: a hold beyond half the pool", tc.pool)
+		for _, release := range releases {
+			release()
+		}
+		if tc.holds > 0 {
+			release, ok := eng.HoldConn(context.Background(), "{k}:block")
+			require.True(t, ok, "pool %d: a hold once the others are released", tc.pool)
+			release()
+		}
 	}
 }

@@ -2,6 +2,7 @@ package throttle
 
 import (
 	"context"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -40,12 +41,21 @@ func (e *Engine) RunScript(ctx context.Context, s *Script, keys []string, args .
 // the engine's gates). It does not wait: ok is false, and nothing is
 // held, while blocking commands hold half the node's tokens, or every
 // token is taken, or the node is unknown (a Cluster whose slot map cannot
-// be read); the caller then does without the blocking command. For a
-// client whose pool size the engine does not know (a Ring), nothing is
-// held and ok is true. Call release once, after the command.
+// be read); the caller then does without the blocking command. On a Ring,
+// whose calls are not gated, blocking commands are counted alone, at most
+// half a shard's pool at once. For a client of another kind, nothing is
+// held and ok is true. Call release after the command; calls after the
+// first do nothing.
 func (e *Engine) HoldConn(ctx context.Context, key string) (release func(), ok bool) {
 	if e.gates == nil {
-		return func() {}, true
+		if _, ring := e.rdb.(*redis.Ring); !ring {
+			return func() {}, true
+		}
+		if e.ringHolds.Add(1) > e.ringHoldCap {
+			e.ringHolds.Add(-1)
+			return nil, false
+		}
+		return once(func() { e.ringHolds.Add(-1) }), true
 	}
 	ref, _, err := e.nodeFor(ctx, e.prefix+key, time.Now())
 	if err != nil || ref == e.unread {
@@ -61,10 +71,20 @@ func (e *Engine) HoldConn(ctx context.Context, key string) (release func(), ok b
 		ref.blocking.Add(-1)
 		return nil, false
 	}
-	return func() {
+	return once(func() {
 		<-ref.gate
 		ref.blocking.Add(-1)
-	}, true
+	}), true
+}
+
+// once returns a func that runs f on its first call only.
+func once(f func()) func() {
+	var done atomic.Bool
+	return func() {
+		if done.CompareAndSwap(false, true) {
+			f()
+		}
+	}
 }
 
 // LoadScript sends s to Redis, so that its first run does not pay for a
