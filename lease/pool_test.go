@@ -213,33 +213,6 @@ func TestGrantInReplyCountsFromItsCall(t *testing.T) {
 	require.NoError(t, r.l.Release(ctx))
 }
 
-// keepHook runs armed, once, right after the first keep call (the only
-// lease script whose fourth argument is a count, not an id) has had its
-// reply, before the keeper sees it: a keep call whose reply is slow.
-type keepHook struct{ armed atomic.Pointer[func()] }
-
-func (h *keepHook) DialHook(next redis.DialHook) redis.DialHook { return next }
-
-func (h *keepHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return next
-}
-
-func (h *keepHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		err := next(ctx, cmd)
-		if a := cmd.Args(); len(a) > 3 && (a[0] == "evalsha" || a[0] == "eval") {
-			if nk, ok := a[2].(int); ok && len(a) > 3+nk+3 {
-				if _, isCount := a[3+nk+3].(int); isCount {
-					if f := h.armed.Swap(nil); f != nil {
-						(*f)()
-					}
-				}
-			}
-		}
-		return err
-	}
-}
-
 // TestStaleWakeUpNotDelivered: a grant whose wake-up its process did not
 // read before the lease lapsed (its keeper sat in a keep call whose reply
 // was slow) must not be handed out later, when the waiter has joined the
@@ -252,9 +225,15 @@ func (h *keepHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 // holds (judged by its token in Redis), and never beside B's.
 func TestStaleWakeUpNotDelivered(t *testing.T) {
 	e := newEnv(t)
-	hook := &keepHook{}
+	// armed runs once, right after a keep call of A's has had its reply,
+	// before A's keeper sees it: a keep call whose reply is slow.
+	var armed atomic.Pointer[func()]
 	rdbA := e.srv.Client(t)
-	rdbA.AddHook(hook)
+	rdbA.AddHook(rvHook{after: func(cmd redis.Cmder, _ time.Duration) {
+		if f := armed.Load(); f != nil && rvIsKeep(cmd) && armed.CompareAndSwap(f, nil) {
+			(*f)()
+		}
+	}})
 	engA, err := throttle.New(rdbA, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second))
 	require.NoError(t, err)
 	const ttl = time.Second
@@ -283,7 +262,7 @@ func TestStaleWakeUpNotDelivered(t *testing.T) {
 		require.NoError(t, l1.Release(ctx)) // grants A's waiter, at the head of the queue
 		time.Sleep(ttl + ttl/2)             // the reply comes back after the grant's TTL
 	}
-	hook.armed.Store(&slow)
+	armed.Store(&slow)
 
 	var bHeld *lease.Lease
 	for bHeld == nil {

@@ -15,7 +15,6 @@ import (
 	"math/rand/v2"
 	"runtime"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -31,97 +30,6 @@ import (
 )
 
 // --- helpers (copies of review_side_test.go's, under rv2 names) ----------
-
-func rv2Proxied(t *testing.T, e *env, timeout time.Duration, hooks ...redis.Hook) (*redistest.Proxy, *throttle.Engine) {
-	t.Helper()
-	p := redistest.NewProxy(t, e.srv.Addr)
-	c := p.Client(t, e.srv)
-	for _, h := range hooks {
-		c.AddHook(h)
-	}
-	eng, err := throttle.New(c, throttle.WithPrefix(e.prefix), throttle.WithTimeout(timeout))
-	require.NoError(t, err)
-	return p, eng
-}
-
-// rv2Direct returns an engine on e's prefix with a client of its own (a
-// separate "process").
-func rv2Direct(t *testing.T, e *env, timeout time.Duration, hooks ...redis.Hook) *throttle.Engine {
-	t.Helper()
-	c := e.srv.Client(t)
-	for _, h := range hooks {
-		c.AddHook(h)
-	}
-	eng, err := throttle.New(c, throttle.WithPrefix(e.prefix), throttle.WithTimeout(timeout))
-	require.NoError(t, err)
-	return eng
-}
-
-func rv2Sem(t *testing.T, eng *throttle.Engine, n int, opts ...lease.Option) *lease.Semaphore {
-	t.Helper()
-	s, err := lease.New(eng, "partner", n, opts...)
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = s.Close(ctx)
-	})
-	return s
-}
-
-func rv2LeaseGoroutines() int {
-	buf := make([]byte, 4<<20)
-	buf = buf[:runtime.Stack(buf, true)]
-	n := 0
-	for _, g := range strings.Split(string(buf), "\n\n") {
-		if strings.Contains(g, "slotbook/slotbook/lease.") {
-			n++
-		}
-	}
-	return n
-}
-
-func rv2Settled(t *testing.T, within time.Duration) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for rv2LeaseGoroutines() != 0 {
-		if time.Now().After(deadline) {
-			buf := make([]byte, 1<<20)
-			t.Errorf("%d goroutines of package lease left %v after Close:\n%s", rv2LeaseGoroutines(), within, buf[:runtime.Stack(buf, true)])
-			return
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
-// rv2ScriptArgs returns a script call's ARGV and KEYS, or nil.
-func rv2ScriptArgs(cmd redis.Cmder) (argv []any, keys []string) {
-	a := cmd.Args()
-	if (cmd.Name() != "evalsha" && cmd.Name() != "eval") || len(a) < 3 {
-		return nil, nil
-	}
-	nk, ok := a[2].(int)
-	if !ok || len(a) < 3+nk {
-		return nil, nil
-	}
-	for _, k := range a[3 : 3+nk] {
-		keys = append(keys, fmt.Sprint(k))
-	}
-	return a[3+nk:], keys
-}
-
-type rv2Hook struct{ match func(cmd redis.Cmder) }
-
-func (h rv2Hook) DialHook(next redis.DialHook) redis.DialHook { return next }
-func (h rv2Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		h.match(cmd)
-		return next(ctx, cmd)
-	}
-}
-func (h rv2Hook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return next
-}
 
 // rv2Burn keeps every core busy until the returned stop is called.
 func rv2Burn(n int) (stop func()) {
@@ -143,91 +51,6 @@ func rv2Burn(n int) (stop func()) {
 	return func() { halt.Store(true); wg.Wait() }
 }
 
-// rv2Probe finds the lease of token on the Redis side: its id, and its
-// score minus Redis's TIME (µs), or ok false if it is no holder any more.
-var rv2Probe = redis.NewScript(`
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local all = redis.call('HGETALL', KEYS[2])
-for i = 1, #all, 2 do
-  if all[i+1] == ARGV[1] then
-    local s = redis.call('ZSCORE', KEYS[1], all[i])
-    if s then return {all[i], tonumber(s) - now, 1} end
-    return {all[i], 0, 0}
-  end
-end
-return {'', 0, 0}
-`)
-
-type rv2Seen struct {
-	id     string
-	margin time.Duration // Redis expiry minus Redis now
-	held   bool          // still a holder in Redis
-}
-
-func rv2Look(ctx context.Context, e *env, key string, token int64) rv2Seen {
-	v, err := rv2Probe.Run(ctx, e.rdb, []string{e.key(key, "h"), e.key(key, "t")}, fmt.Sprint(token)).Slice()
-	if err != nil || len(v) != 3 {
-		return rv2Seen{}
-	}
-	id, _ := v[0].(string)
-	m, _ := v[1].(int64)
-	h, _ := v[2].(int64)
-	return rv2Seen{id: id, margin: time.Duration(m) * time.Microsecond, held: h == 1}
-}
-
-// rv2Believed tracks, per token, the leases a worker believes it holds; a
-// hook on every client checks each leave or release call sent by the
-// package against it (ids are unique per waiter: a call for a lease its
-// holder still believes in, Lost open, would be a defect).
-type rv2Believed struct {
-	mu    sync.Mutex
-	held  map[int64]*lease.Lease
-	rdb   *redis.Client
-	viols atomic.Int64
-	first atomic.Value
-}
-
-func (b *rv2Believed) set(l *lease.Lease, on bool) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if on {
-		b.held[l.Token()] = l
-	} else {
-		delete(b.held, l.Token())
-	}
-}
-
-func (b *rv2Believed) hook() rv2Hook {
-	return rv2Hook{match: func(cmd redis.Cmder) {
-		argv, keys := rv2ScriptArgs(cmd)
-		if len(argv) != 4 || len(keys) < 2 {
-			return
-		}
-		id, ok := argv[3].(string)
-		if !ok {
-			return
-		}
-		tok, err := b.rdb.HGet(context.Background(), keys[1], id).Int64()
-		if err != nil {
-			return
-		}
-		b.mu.Lock()
-		l := b.held[tok]
-		b.mu.Unlock()
-		if l == nil {
-			return
-		}
-		select {
-		case <-l.Lost():
-		default:
-			if b.viols.Add(1) == 1 {
-				b.first.Store(fmt.Sprintf("leave/release of %s (token %d) sent while its holder believes it holds (Lost open, no Release)", id, tok))
-			}
-		}
-	}}
-}
-
 // --- 1. Spurious Lost on grants through the queue ------------------------
 
 // rv2Gaps records the longest gap between two keep calls of one client.
@@ -238,9 +61,9 @@ type rv2Gaps struct {
 	ones atomic.Int64
 }
 
-func (g *rv2Gaps) hook() rv2Hook {
-	return rv2Hook{match: func(cmd redis.Cmder) {
-		argv, _ := rv2ScriptArgs(cmd)
+func (g *rv2Gaps) hook() rvHook {
+	return rvHook{before: func(cmd redis.Cmder) {
+		argv, _ := rvScriptArgs(cmd)
 		if len(argv) < 4 {
 			return
 		}
@@ -275,10 +98,10 @@ type rv2Stats struct {
 // workers) on one key with N=2 and a healthy Redis. Every lease of A is
 // watched: when its Lost closes, Redis is asked at once whether it still
 // holds it.
-func rv2QueuePhase(t *testing.T, e *env, key string, aEng, bEng *throttle.Engine, bel *rv2Believed, ttl, run time.Duration) rv2Stats {
+func rv2QueuePhase(t *testing.T, e *env, key string, aEng, bEng *throttle.Engine, bel *rvBelieved, ttl, run time.Duration) rv2Stats {
 	ctx := context.Background()
-	a := rv2Sem(t, aEng, 2, lease.WithTTL(ttl))
-	b := rv2Sem(t, bEng, 2, lease.WithTTL(ttl))
+	a := rvSem(t, aEng, 2, lease.WithTTL(ttl))
+	b := rvSem(t, bEng, 2, lease.WithTTL(ttl))
 	require.NoError(t, a.Load(ctx))
 	require.NoError(t, b.Load(ctx))
 	var mu sync.Mutex
@@ -311,7 +134,7 @@ func rv2QueuePhase(t *testing.T, e *env, key string, aEng, bEng *throttle.Engine
 						return
 					case <-l.Lost():
 					}
-					seen := rv2Look(ctx, e, key, l.Token())
+					seen := rvLook(ctx, e.rdb, e, key, l.Token())
 					age := time.Since(got)
 					// The holder stops at once and releases (ErrLost
 					// expected); the slot should be free in Redis soon.
@@ -325,7 +148,7 @@ func rv2QueuePhase(t *testing.T, e *env, key string, aEng, bEng *throttle.Engine
 					if seen.held {
 						tm0, _ := e.rdb.Time(ctx).Result()
 						for i := 0; i < 200; i++ {
-							if s2 := rv2Look(ctx, e, key, l.Token()); !s2.held {
+							if s2 := rvLook(ctx, e.rdb, e, key, l.Token()); !s2.held {
 								tm1, _ := e.rdb.Time(ctx).Result()
 								freedIn = tm1.Sub(tm0)
 								break
@@ -343,12 +166,12 @@ func rv2QueuePhase(t *testing.T, e *env, key string, aEng, bEng *throttle.Engine
 						st.lostReleaseOK++
 					}
 					switch {
-					case seen.held && seen.margin > 0:
+					case seen.held && seen.margin() > 0:
 						st.spurious++
-						st.margins = append(st.margins, seen.margin)
+						st.margins = append(st.margins, seen.margin())
 						st.freed = append(st.freed, freedIn)
-						st.pairs = append(st.pairs, fmt.Sprintf("%v/%v", seen.margin.Round(time.Millisecond), freedIn.Round(time.Millisecond)))
-						if freedIn < 0 || freedIn > seen.margin {
+						st.pairs = append(st.pairs, fmt.Sprintf("%v/%v", seen.margin().Round(time.Millisecond), freedIn.Round(time.Millisecond)))
+						if freedIn < 0 || freedIn > seen.margin() {
 							st.late++
 						}
 					case !seen.held:
@@ -422,11 +245,11 @@ func TestReviewLease2SpuriousLostQueueGrants(t *testing.T) {
 	} {
 		t.Run(ph.name, func(t *testing.T) {
 			e := newEnv(t)
-			bel := &rv2Believed{held: map[int64]*lease.Lease{}, rdb: e.rdb}
+			bel := &rvBelieved{held: map[int64]*lease.Lease{}, rdb: e.rdb}
 			gaps := &rv2Gaps{}
-			p, aEng := rv2Proxied(t, e, 2*time.Second, bel.hook(), gaps.hook())
+			p, aEng := rvProxied(t, e, 2*time.Second, nil, bel.hook(), gaps.hook())
 			p.SetLatency(ph.latency)
-			bEng := rv2Direct(t, e, 2*time.Second, bel.hook())
+			bEng := rvDirect(t, e, 2*time.Second, bel.hook())
 			if ph.load {
 				stop := rv2Burn(2 * runtime.NumCPU())
 				defer stop()
@@ -455,7 +278,7 @@ func TestReviewLease2SpuriousLostQueueGrants(t *testing.T) {
 			}
 		})
 	}
-	rv2Settled(t, 5*time.Second)
+	rvSettled(t, 5*time.Second)
 }
 
 // --- 2. Long holds with waiters present: extension cycle vs deadline ----
@@ -469,8 +292,8 @@ func TestReviewLease2LongHoldWithWaiters(t *testing.T) {
 		t.Run(fmt.Sprintf("latency=%v", lat), func(t *testing.T) {
 			e := newEnv(t)
 			ctx := context.Background()
-			p, aEng := rv2Proxied(t, e, 2*time.Second)
-			a := rv2Sem(t, aEng, 1, lease.WithTTL(ttl))
+			p, aEng := rvProxied(t, e, 2*time.Second, nil)
+			a := rvSem(t, aEng, 1, lease.WithTTL(ttl))
 			require.NoError(t, a.Load(ctx))
 			p.SetLatency(lat)
 			var lostN, rounds, extended int
@@ -497,11 +320,11 @@ func TestReviewLease2LongHoldWithWaiters(t *testing.T) {
 				select {
 				case <-l.Lost():
 					lostN++
-					m0 := rv2Look(ctx, e, "k", l.Token())
+					m0 := rvLook(ctx, e.rdb, e, "k", l.Token())
 					time.Sleep(lat + 5*time.Millisecond)
-					m1 := rv2Look(ctx, e, "k", l.Token())
-					ext := m1.held && m1.margin > m0.margin // the keep call out at Lost extended it
-					margins = append(margins, m0.margin.Round(time.Millisecond))
+					m1 := rvLook(ctx, e.rdb, e, "k", l.Token())
+					ext := m1.held && m1.margin() > m0.margin() // the keep call out at Lost extended it
+					margins = append(margins, m0.margin().Round(time.Millisecond))
 					if ext {
 						extended++
 					}
@@ -518,7 +341,7 @@ func TestReviewLease2LongHoldWithWaiters(t *testing.T) {
 			require.NoError(t, a.Close(ctx))
 		})
 	}
-	rv2Settled(t, 5*time.Second)
+	rvSettled(t, 5*time.Second)
 }
 
 // --- 3. At most N believed holders, severed connections, CPU load -------
@@ -528,14 +351,14 @@ func TestReviewLease2OverlapSevered(t *testing.T) {
 	ctx := context.Background()
 	const n = 2
 	ttl := 300 * time.Millisecond
-	bel := &rv2Believed{held: map[int64]*lease.Lease{}, rdb: e.rdb}
-	p, aEng := rv2Proxied(t, e, 200*time.Millisecond, bel.hook())
+	bel := &rvBelieved{held: map[int64]*lease.Lease{}, rdb: e.rdb}
+	p, aEng := rvProxied(t, e, 200*time.Millisecond, nil, bel.hook())
 	p.SetLatency(5 * time.Millisecond)
-	bEng := rv2Direct(t, e, 2*time.Second, bel.hook())
+	bEng := rvDirect(t, e, 2*time.Second, bel.hook())
 	sems := []*lease.Semaphore{
-		rv2Sem(t, aEng, n, lease.WithTTL(ttl)),
-		rv2Sem(t, bEng, n, lease.WithTTL(ttl)),
-		rv2Sem(t, bEng, n, lease.WithTTL(ttl), lease.WithPollInterval(20*time.Millisecond)),
+		rvSem(t, aEng, n, lease.WithTTL(ttl)),
+		rvSem(t, bEng, n, lease.WithTTL(ttl)),
+		rvSem(t, bEng, n, lease.WithTTL(ttl), lease.WithPollInterval(20*time.Millisecond)),
 	}
 	base := time.Now()
 	run := 5 * time.Second
@@ -662,7 +485,7 @@ func TestReviewLease2OverlapSevered(t *testing.T) {
 	for _, s := range sems {
 		require.NoError(t, s.Close(ctx))
 	}
-	rv2Settled(t, 5*time.Second)
+	rvSettled(t, 5*time.Second)
 }
 
 // --- 4. Redis away: no spin, Close within its ctx, nothing left ----------
@@ -673,7 +496,7 @@ func TestReviewLease2RedisAway(t *testing.T) {
 			srv := redistest.Start(t)
 			var scripts, blpops atomic.Int64
 			c := srv.Client(t)
-			c.AddHook(rv2Hook{match: func(cmd redis.Cmder) {
+			c.AddHook(rvHook{before: func(cmd redis.Cmder) {
 				switch cmd.Name() {
 				case "evalsha", "eval":
 					scripts.Add(1)
@@ -746,7 +569,7 @@ func TestReviewLease2RedisAway(t *testing.T) {
 			if how == "paused" {
 				_ = syscall.Kill(srv.Pid(), syscall.SIGCONT)
 			}
-			rv2Settled(t, 5*time.Second)
+			rvSettled(t, 5*time.Second)
 		})
 	}
 }
@@ -764,8 +587,8 @@ func TestReviewLease2CloseDuringKeepCall(t *testing.T) {
 	var armed atomic.Bool
 	caught, resume := make(chan struct{}), make(chan struct{})
 	c := e.srv.Client(t)
-	c.AddHook(rv2Hook{match: func(cmd redis.Cmder) {
-		argv, _ := rv2ScriptArgs(cmd)
+	c.AddHook(rvHook{before: func(cmd redis.Cmder) {
+		argv, _ := rvScriptArgs(cmd)
 		if len(argv) < 4 {
 			return
 		}
@@ -780,7 +603,7 @@ func TestReviewLease2CloseDuringKeepCall(t *testing.T) {
 	require.NoError(t, err)
 	s, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(50*time.Millisecond))
 	require.NoError(t, err)
-	other := rv2Sem(t, e.eng, 1, lease.WithTTL(ttl))
+	other := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
 	first, err := other.Acquire(ctx, "k")
 	require.NoError(t, err)
 	errs := make(chan error, 2)
@@ -822,7 +645,7 @@ func TestReviewLease2CloseDuringKeepCall(t *testing.T) {
 	} else {
 		require.NoError(t, l.Release(ctx))
 	}
-	rv2Settled(t, 5*time.Second)
+	rvSettled(t, 5*time.Second)
 }
 
 // --- 6. Close gives held leases back without closing their Lost ----------
@@ -833,7 +656,7 @@ func TestReviewLease2CloseLeavesLostOpen(t *testing.T) {
 	ttl := 3 * time.Second
 	s, err := lease.New(e.eng, "partner", 1, lease.WithTTL(ttl))
 	require.NoError(t, err)
-	other := rv2Sem(t, e.eng, 1, lease.WithTTL(ttl))
+	other := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
 	a, err := s.Acquire(ctx, "k")
 	require.NoError(t, err)
 	require.NoError(t, s.Close(ctx))
@@ -846,7 +669,7 @@ func TestReviewLease2CloseLeavesLostOpen(t *testing.T) {
 		t.Errorf("after Close, another process holds k (token %d) while the holder of token %d has no Release call and an open Lost: two believed holders, N=1", b.Token(), a.Token())
 	}
 	require.NoError(t, b.Release(ctx))
-	rv2Settled(t, 5*time.Second)
+	rvSettled(t, 5*time.Second)
 }
 
 // --- 7. TryAcquire and Acquire in flight as Close begins -----------------
@@ -854,7 +677,7 @@ func TestReviewLease2CloseLeavesLostOpen(t *testing.T) {
 func TestReviewLease2TryAcquireStormAtClose(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
-	p, eng := rv2Proxied(t, e, 2*time.Second)
+	p, eng := rvProxied(t, e, 2*time.Second, nil)
 	s, err := lease.New(eng, "partner", 4, lease.WithTTL(3*time.Second))
 	require.NoError(t, err)
 	require.NoError(t, s.Load(ctx))
@@ -909,5 +732,5 @@ func TestReviewLease2TryAcquireStormAtClose(t *testing.T) {
 	if h+q != 0 {
 		t.Errorf("after Close returned: %d holders, %d queued left in Redis by the closed Semaphore", h, q)
 	}
-	rv2Settled(t, 5*time.Second)
+	rvSettled(t, 5*time.Second)
 }

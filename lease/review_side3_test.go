@@ -13,9 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"runtime"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -31,153 +29,6 @@ import (
 )
 
 // --- helpers (copies of the earlier reviews', under rv3 names) -----------
-
-func rv3Proxied(t *testing.T, e *env, timeout time.Duration, tweak func(*redis.Options), hooks ...redis.Hook) (*redistest.Proxy, *throttle.Engine) {
-	t.Helper()
-	p := redistest.NewProxy(t, e.srv.Addr)
-	var c *redis.Client
-	if tweak != nil {
-		c = p.Client(t, e.srv, tweak)
-	} else {
-		c = p.Client(t, e.srv)
-	}
-	for _, h := range hooks {
-		c.AddHook(h)
-	}
-	eng, err := throttle.New(c, throttle.WithPrefix(e.prefix), throttle.WithTimeout(timeout))
-	require.NoError(t, err)
-	return p, eng
-}
-
-func rv3Direct(t *testing.T, e *env, timeout time.Duration, hooks ...redis.Hook) *throttle.Engine {
-	t.Helper()
-	c := e.srv.Client(t)
-	for _, h := range hooks {
-		c.AddHook(h)
-	}
-	eng, err := throttle.New(c, throttle.WithPrefix(e.prefix), throttle.WithTimeout(timeout))
-	require.NoError(t, err)
-	return eng
-}
-
-func rv3Sem(t *testing.T, eng *throttle.Engine, n int, opts ...lease.Option) *lease.Semaphore {
-	t.Helper()
-	s, err := lease.New(eng, "partner", n, opts...)
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = s.Close(ctx)
-	})
-	return s
-}
-
-func rv3LeaseGoroutines() int {
-	buf := make([]byte, 4<<20)
-	buf = buf[:runtime.Stack(buf, true)]
-	n := 0
-	for _, g := range strings.Split(string(buf), "\n\n") {
-		if strings.Contains(g, "slotbook/slotbook/lease.") {
-			n++
-		}
-	}
-	return n
-}
-
-func rv3Settled(t *testing.T, within time.Duration) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for rv3LeaseGoroutines() != 0 {
-		if time.Now().After(deadline) {
-			buf := make([]byte, 1<<20)
-			t.Errorf("%d goroutines of package lease left %v after Close:\n%s", rv3LeaseGoroutines(), within, buf[:runtime.Stack(buf, true)])
-			return
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
-func rv3ScriptArgs(cmd redis.Cmder) (argv []any, keys []string) {
-	a := cmd.Args()
-	if (cmd.Name() != "evalsha" && cmd.Name() != "eval") || len(a) < 3 {
-		return nil, nil
-	}
-	nk, ok := a[2].(int)
-	if !ok || len(a) < 3+nk {
-		return nil, nil
-	}
-	for _, k := range a[3 : 3+nk] {
-		keys = append(keys, fmt.Sprint(k))
-	}
-	return a[3+nk:], keys
-}
-
-// rv3IsKeep tells a keep call (its 4th argument is the count of held ids).
-func rv3IsKeep(cmd redis.Cmder) bool {
-	argv, _ := rv3ScriptArgs(cmd)
-	if len(argv) < 4 {
-		return false
-	}
-	_, ok := argv[3].(int)
-	return ok
-}
-
-type rv3Hook struct {
-	before func(cmd redis.Cmder)
-	after  func(cmd redis.Cmder, took time.Duration)
-}
-
-func (h rv3Hook) DialHook(next redis.DialHook) redis.DialHook { return next }
-func (h rv3Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		if h.before != nil {
-			h.before(cmd)
-		}
-		t0 := time.Now()
-		err := next(ctx, cmd)
-		if h.after != nil {
-			h.after(cmd, time.Since(t0))
-		}
-		return err
-	}
-}
-func (h rv3Hook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return next
-}
-
-// rv3Probe finds the lease of token on the Redis side: its id, its expiry
-// (ZSCORE, µs), Redis's TIME (µs) and whether it is still a holder.
-var rv3Probe = redis.NewScript(`
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local all = redis.call('HGETALL', KEYS[2])
-for i = 1, #all, 2 do
-  if all[i+1] == ARGV[1] then
-    local s = redis.call('ZSCORE', KEYS[1], all[i])
-    if s then return {all[i], tonumber(s), now, 1} end
-    return {all[i], 0, now, 0}
-  end
-end
-return {'', 0, now, 0}
-`)
-
-type rv3Seen struct {
-	id          string
-	expiry, now int64 // µs, Redis clock
-	held        bool
-}
-
-func rv3Look(ctx context.Context, rdb *redis.Client, e *env, key string, token int64) rv3Seen {
-	v, err := rv3Probe.Run(ctx, rdb, []string{e.key(key, "h"), e.key(key, "t")}, fmt.Sprint(token)).Slice()
-	if err != nil || len(v) != 4 {
-		return rv3Seen{}
-	}
-	id, _ := v[0].(string)
-	s, _ := v[1].(int64)
-	now, _ := v[2].(int64)
-	h, _ := v[3].(int64)
-	return rv3Seen{id: id, expiry: s, now: now, held: h == 1}
-}
 
 // rv3Now is Redis's TIME in µs.
 func rv3Now(rdb *redis.Client) int64 {
@@ -258,21 +109,21 @@ func TestReviewLease3CutKeepCallOut(t *testing.T) {
 				tweak = func(o *redis.Options) { o.ReadTimeout, o.WriteTimeout = tc.readTimeout, tc.readTimeout }
 			}
 			var keepOut atomic.Int64 // keep calls of A out now
-			p, aEng := rv3Proxied(t, e, 5*time.Second, tweak, rv3Hook{
+			p, aEng := rvProxied(t, e, 5*time.Second, tweak, rvHook{
 				before: func(cmd redis.Cmder) {
-					if rv3IsKeep(cmd) {
+					if rvIsKeep(cmd) {
 						keepOut.Add(1)
 					}
 				},
 				after: func(cmd redis.Cmder, _ time.Duration) {
-					if rv3IsKeep(cmd) {
+					if rvIsKeep(cmd) {
 						keepOut.Add(-1)
 					}
 				},
 			})
 			t.Cleanup(func() { p.SetLatency(0); p.SetReplyDelay(0); p.Sever() })
-			a := rv3Sem(t, aEng, 1, lease.WithTTL(ttl))
-			b := rv3Sem(t, e.eng, 1, lease.WithTTL(ttl))
+			a := rvSem(t, aEng, 1, lease.WithTTL(ttl))
+			b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
 			require.NoError(t, a.Load(ctx))
 			require.NoError(t, b.Load(ctx))
 			l, err := a.Acquire(ctx, "k")
@@ -283,7 +134,7 @@ func TestReviewLease3CutKeepCallOut(t *testing.T) {
 				t.Fatal("Lost closed before the cut, Redis healthy")
 			default:
 			}
-			before := rv3Look(ctx, e.rdb, e, "k", l.Token())
+			before := rvLook(ctx, e.rdb, e, "k", l.Token())
 			if tc.replies {
 				p.SetReplyDelay(time.Hour)
 			} else {
@@ -317,7 +168,7 @@ func TestReviewLease3CutKeepCallOut(t *testing.T) {
 				case bAt = <-bGot:
 				case <-time.After(3 * time.Millisecond):
 				}
-				if s := rv3Look(ctx, e.rdb, e, "k", l.Token()); s.held {
+				if s := rvLook(ctx, e.rdb, e, "k", l.Token()); s.held {
 					last = s
 				} else if outAtExpiry < 0 {
 					outAtExpiry = keepOut.Load()
@@ -342,7 +193,7 @@ func TestReviewLease3CutKeepCallOut(t *testing.T) {
 			}
 		})
 	}
-	t.Cleanup(func() { rv3Settled(t, 15*time.Second) })
+	t.Cleanup(func() { rvSettled(t, 15*time.Second) })
 }
 
 // --- (a) A lease delivered fresh while the keeper blocks on a dead BLPOP --
@@ -371,7 +222,7 @@ func TestReviewLease3FreshLeaseDeadBlpop(t *testing.T) {
 			var p *redistest.Proxy
 			var armed atomic.Bool
 			var blpopTook atomic.Int64
-			hook := rv3Hook{
+			hook := rvHook{
 				before: func(cmd redis.Cmder) {
 					if cmd.Name() == "blpop" && armed.CompareAndSwap(true, false) {
 						p.SetReplyDelay(time.Hour) // this connection's reply will be held forever
@@ -384,10 +235,10 @@ func TestReviewLease3FreshLeaseDeadBlpop(t *testing.T) {
 					}
 				},
 			}
-			p, aEng := rv3Proxied(t, e, 5*time.Second, nil, hook)
+			p, aEng := rvProxied(t, e, 5*time.Second, nil, hook)
 			t.Cleanup(func() { p.SetReplyDelay(0); p.Sever() })
-			a := rv3Sem(t, aEng, 1, lease.WithTTL(tc.ttl), lease.WithPollInterval(50*time.Millisecond))
-			b := rv3Sem(t, e.eng, 1, lease.WithTTL(tc.ttl))
+			a := rvSem(t, aEng, 1, lease.WithTTL(tc.ttl), lease.WithPollInterval(50*time.Millisecond))
+			b := rvSem(t, e.eng, 1, lease.WithTTL(tc.ttl))
 			require.NoError(t, a.Load(ctx))
 			require.NoError(t, b.Load(ctx))
 			l0, err := a.Acquire(ctx, "k")
@@ -411,7 +262,7 @@ func TestReviewLease3FreshLeaseDeadBlpop(t *testing.T) {
 			l1 := <-wch
 			require.NotNil(t, l1)
 			got := rv3Now(e.rdb)
-			seen := rv3Look(ctx, e.rdb, e, "k", l1.Token())
+			seen := rvLook(ctx, e.rdb, e, "k", l1.Token())
 			lostAt := rv3LostAt(e.rdb, l1)
 			if tc.name == "close/ttl600ms" {
 				cctx, cancel := context.WithTimeout(ctx, time.Second)
@@ -465,7 +316,7 @@ func TestReviewLease3FreshLeaseDeadBlpop(t *testing.T) {
 			_ = l1.Release(ctx)
 		})
 	}
-	t.Cleanup(func() { rv3Settled(t, 10*time.Second) })
+	t.Cleanup(func() { rvSettled(t, 10*time.Second) })
 }
 
 func rv3Blpop(took int64) string {
@@ -488,9 +339,9 @@ func TestReviewLease3SlowAcquireReply(t *testing.T) {
 			t.Parallel()
 			e := newEnv(t)
 			ctx := context.Background()
-			p, aEng := rv3Proxied(t, e, 5*time.Second, nil)
-			a := rv3Sem(t, aEng, 1, lease.WithTTL(ttl))
-			b := rv3Sem(t, e.eng, 1, lease.WithTTL(ttl))
+			p, aEng := rvProxied(t, e, 5*time.Second, nil)
+			a := rvSem(t, aEng, 1, lease.WithTTL(ttl))
+			b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
 			require.NoError(t, a.Load(ctx))
 			require.NoError(t, b.Load(ctx))
 			p.SetReplyDelay(delay)
@@ -537,7 +388,7 @@ func TestReviewLease3SlowAcquireReply(t *testing.T) {
 				openAtReturn = false
 			default:
 			}
-			seen := rv3Look(ctx, e.rdb, e, "k", l.Token())
+			seen := rvLook(ctx, e.rdb, e, "k", l.Token())
 			lostAt := rv3LostAt(e.rdb, l)
 			var lost, bAt int64
 			select {
@@ -564,60 +415,10 @@ func TestReviewLease3SlowAcquireReply(t *testing.T) {
 			_ = l.Release(ctx)
 		})
 	}
-	t.Cleanup(func() { rv3Settled(t, 10*time.Second) })
+	t.Cleanup(func() { rvSettled(t, 10*time.Second) })
 }
 
 // --- (b) At most N believed holders: severed connections, slow replies ---
-
-type rv3Believed struct {
-	mu    sync.Mutex
-	held  map[int64]*lease.Lease
-	rdb   *redis.Client
-	viols atomic.Int64
-	first atomic.Value
-}
-
-func (b *rv3Believed) set(l *lease.Lease, on bool) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if on {
-		b.held[l.Token()] = l
-	} else {
-		delete(b.held, l.Token())
-	}
-}
-
-// hook flags a leave or release call for a lease whose holder still
-// believes it holds (Lost open, no Release).
-func (b *rv3Believed) hook() rv3Hook {
-	return rv3Hook{before: func(cmd redis.Cmder) {
-		argv, keys := rv3ScriptArgs(cmd)
-		if len(argv) != 4 || len(keys) < 2 {
-			return
-		}
-		id, ok := argv[3].(string)
-		if !ok {
-			return
-		}
-		tok, err := b.rdb.HGet(context.Background(), keys[1], id).Int64()
-		if err != nil {
-			return
-		}
-		b.mu.Lock()
-		l := b.held[tok]
-		b.mu.Unlock()
-		if l == nil {
-			return
-		}
-		select {
-		case <-l.Lost():
-		default:
-			if b.viols.Add(1) == 1 {
-				b.first.Store(fmt.Sprintf("leave/release of %s (token %d) sent while its holder believes it holds", id, tok))
-			}
-		}
-	}}
-}
 
 type rv3Iv struct {
 	from, to time.Duration
@@ -674,13 +475,13 @@ func TestReviewLease3OverlapChaos(t *testing.T) {
 	// goroutines on a busy machine (this test runs beside the whole suite)
 	// must be that punctual, so the TTL leaves them 150 ms.
 	ttl := 1500 * time.Millisecond
-	bel := &rv3Believed{held: map[int64]*lease.Lease{}, rdb: e.rdb}
-	p, aEng := rv3Proxied(t, e, time.Second, nil, bel.hook())
-	bEng := rv3Direct(t, e, 2*time.Second, bel.hook())
+	bel := &rvBelieved{held: map[int64]*lease.Lease{}, rdb: e.rdb}
+	p, aEng := rvProxied(t, e, time.Second, nil, bel.hook())
+	bEng := rvDirect(t, e, 2*time.Second, bel.hook())
 	sems := []*lease.Semaphore{
-		rv3Sem(t, aEng, n, lease.WithTTL(ttl)),
-		rv3Sem(t, aEng, n, lease.WithTTL(ttl), lease.WithPollInterval(30*time.Millisecond)),
-		rv3Sem(t, bEng, n, lease.WithTTL(ttl)),
+		rvSem(t, aEng, n, lease.WithTTL(ttl)),
+		rvSem(t, aEng, n, lease.WithTTL(ttl), lease.WithPollInterval(30*time.Millisecond)),
+		rvSem(t, bEng, n, lease.WithTTL(ttl)),
 	}
 	names := []string{"A1", "A2", "B"}
 	base := time.Now()
@@ -789,7 +590,7 @@ func TestReviewLease3OverlapChaos(t *testing.T) {
 	if h+w != 0 {
 		t.Errorf("a TTL after every Semaphore closed: %d live holders, %d live waiters in Redis", h, w)
 	}
-	rv3Settled(t, 10*time.Second)
+	rvSettled(t, 10*time.Second)
 }
 
 // --- (c) Close while keep calls are out ---------------------------------
@@ -799,21 +600,21 @@ func TestReviewLease3CloseKeepCallsOut(t *testing.T) {
 	ctx := context.Background()
 	ttl := 1200 * time.Millisecond
 	var keepOut atomic.Int64
-	p, aEng := rv3Proxied(t, e, 5*time.Second, nil, rv3Hook{
+	p, aEng := rvProxied(t, e, 5*time.Second, nil, rvHook{
 		before: func(cmd redis.Cmder) {
-			if rv3IsKeep(cmd) {
+			if rvIsKeep(cmd) {
 				keepOut.Add(1)
 			}
 		},
 		after: func(cmd redis.Cmder, _ time.Duration) {
-			if rv3IsKeep(cmd) {
+			if rvIsKeep(cmd) {
 				keepOut.Add(-1)
 			}
 		},
 	})
 	a, err := lease.New(aEng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(60*time.Millisecond))
 	require.NoError(t, err)
-	b := rv3Sem(t, e.eng, 1, lease.WithTTL(ttl))
+	b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
 	require.NoError(t, a.Load(ctx))
 	var held []*lease.Lease
 	for _, k := range []string{"x", "y"} {
@@ -865,7 +666,7 @@ func TestReviewLease3CloseKeepCallsOut(t *testing.T) {
 		}
 	}
 	require.NoError(t, b.Close(ctx))
-	rv3Settled(t, 5*time.Second)
+	rvSettled(t, 5*time.Second)
 }
 
 // --- (c) Close while Redis is paused; ghosts after it resumes -------------
@@ -926,7 +727,7 @@ func TestReviewLease3CloseRedisPaused(t *testing.T) {
 	if hl > ttl+100*time.Millisecond || wl > ttl+100*time.Millisecond {
 		t.Errorf("ghosts of the closed Semaphore outlive the TTL after Redis came back: holders %v, waiters %v left", hl, wl)
 	}
-	rv3Settled(t, 5*time.Second)
+	rvSettled(t, 5*time.Second)
 	time.Sleep(time.Until(resumed.Add(ttl + 150*time.Millisecond)))
 	h, _ = rv3Live(direct, e.key("k", "h"))
 	w, _ = rv3Live(direct, e.key("k", "w"))
@@ -941,11 +742,11 @@ func TestReviewLease3ReleaseRacesLapse(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	ttl := 60 * time.Millisecond
-	bel := &rv3Believed{held: map[int64]*lease.Lease{}, rdb: e.rdb}
-	p, aEng := rv3Proxied(t, e, 2*time.Second, nil, bel.hook())
+	bel := &rvBelieved{held: map[int64]*lease.Lease{}, rdb: e.rdb}
+	p, aEng := rvProxied(t, e, 2*time.Second, nil, bel.hook())
 	p.SetLatency(3 * time.Millisecond)
-	bEng := rv3Direct(t, e, 2*time.Second, bel.hook())
-	sems := []*lease.Semaphore{rv3Sem(t, aEng, 2, lease.WithTTL(ttl)), rv3Sem(t, bEng, 2, lease.WithTTL(ttl))}
+	bEng := rvDirect(t, e, 2*time.Second, bel.hook())
+	sems := []*lease.Semaphore{rvSem(t, aEng, 2, lease.WithTTL(ttl)), rvSem(t, bEng, 2, lease.WithTTL(ttl))}
 	end := time.Now().Add(4 * time.Second)
 	var mu sync.Mutex
 	outcomes := map[string]int{}
@@ -1023,5 +824,5 @@ func TestReviewLease3ReleaseRacesLapse(t *testing.T) {
 	for _, s := range sems {
 		require.NoError(t, s.Close(cctx))
 	}
-	rv3Settled(t, 5*time.Second)
+	rvSettled(t, 5*time.Second)
 }

@@ -12,7 +12,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -28,87 +27,6 @@ import (
 	"github.com/slotbook/slotbook/lease"
 	"github.com/slotbook/slotbook/throttle"
 )
-
-// rvProxied returns an engine on e's prefix whose client goes through a
-// proxy of its own.
-func rvProxied(t *testing.T, e *env, timeout time.Duration, hooks ...redis.Hook) (*redistest.Proxy, *throttle.Engine) {
-	t.Helper()
-	p := redistest.NewProxy(t, e.srv.Addr)
-	c := p.Client(t, e.srv)
-	for _, h := range hooks {
-		c.AddHook(h)
-	}
-	eng, err := throttle.New(c, throttle.WithPrefix(e.prefix), throttle.WithTimeout(timeout))
-	require.NoError(t, err)
-	return p, eng
-}
-
-func rvSem(t *testing.T, eng *throttle.Engine, n int, opts ...lease.Option) *lease.Semaphore {
-	t.Helper()
-	s, err := lease.New(eng, "partner", n, opts...)
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = s.Close(ctx)
-	})
-	return s
-}
-
-// rvLeaseGoroutines counts goroutines running code of package lease.
-func rvLeaseGoroutines() int {
-	buf := make([]byte, 4<<20)
-	buf = buf[:runtime.Stack(buf, true)]
-	n := 0
-	for _, g := range strings.Split(string(buf), "\n\n") {
-		if strings.Contains(g, "slotbook/slotbook/lease.") {
-			n++
-		}
-	}
-	return n
-}
-
-// rvSettled polls until no goroutine of package lease is left, or 5 s.
-func rvSettled(t *testing.T) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for rvLeaseGoroutines() != 0 {
-		if time.Now().After(deadline) {
-			buf := make([]byte, 1<<20)
-			t.Errorf("%d goroutines of package lease left after Close:\n%s", rvLeaseGoroutines(), buf[:runtime.Stack(buf, true)])
-			return
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
-// rvScriptArgs returns a script call's ARGV (after the 6 keys), or nil.
-func rvScriptArgs(cmd redis.Cmder) []any {
-	a := cmd.Args()
-	if (cmd.Name() != "evalsha" && cmd.Name() != "eval") || len(a) < 9 {
-		return nil
-	}
-	nk, ok := a[2].(int)
-	if !ok || len(a) < 3+nk {
-		return nil
-	}
-	return a[3+nk:]
-}
-
-// rvHook calls match before each command is sent (in the caller's
-// goroutine: a match may block it, as a scheduler or a slow path would).
-type rvHook struct{ match func(cmd redis.Cmder) }
-
-func (h rvHook) DialHook(next redis.DialHook) redis.DialHook { return next }
-func (h rvHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error {
-		h.match(cmd)
-		return next(ctx, cmd)
-	}
-}
-func (h rvHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return next
-}
 
 // --- Bad input, repeats, Close -------------------------------------------
 
@@ -175,7 +93,7 @@ func TestReviewLeaseRepeats(t *testing.T) {
 	if n, _ := e.rdb.ZCard(ctx, e.key("k", "h")).Result(); n != 0 {
 		t.Errorf("%d holders after Close", n)
 	}
-	rvSettled(t)
+	rvSettled(t, 5*time.Second)
 }
 
 // TryAcquire whose call is in flight when Close runs: the doc says Close
@@ -186,8 +104,8 @@ func TestReviewLeaseTryAcquireDuringClose(t *testing.T) {
 	p := redistest.NewProxy(t, e.srv.Addr)
 	sent := make(chan struct{}, 1)
 	c := p.Client(t, e.srv)
-	c.AddHook(rvHook{match: func(cmd redis.Cmder) {
-		if a := rvScriptArgs(cmd); len(a) >= 5 && fmt.Sprint(a[4]) == "try" {
+	c.AddHook(rvHook{before: func(cmd redis.Cmder) {
+		if a, _ := rvScriptArgs(cmd); len(a) >= 5 && fmt.Sprint(a[4]) == "try" {
 			select {
 			case sent <- struct{}{}:
 			default:
@@ -233,7 +151,7 @@ func TestReviewLeaseTryAcquireDuringClose(t *testing.T) {
 		_ = r.l.Release(ctx) // lets the keeper end
 	}
 	_ = s.Close(ctx)
-	rvSettled(t)
+	rvSettled(t, 5*time.Second)
 }
 
 // --- Lost replies --------------------------------------------------------
@@ -250,8 +168,8 @@ func TestReviewLeaseLostAcquireReply(t *testing.T) {
 			direct := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
 			require.NoError(t, direct.Load(ctx))
 			var scripts atomic.Int64 // script calls handed to the client
-			p, eng := rvProxied(t, e, 150*time.Millisecond, rvHook{match: func(cmd redis.Cmder) {
-				if rvScriptArgs(cmd) != nil {
+			p, eng := rvProxied(t, e, 150*time.Millisecond, nil, rvHook{before: func(cmd redis.Cmder) {
+				if a, _ := rvScriptArgs(cmd); a != nil {
 					scripts.Add(1)
 				}
 			}})
@@ -321,7 +239,7 @@ func TestReviewLeaseLostAcquireReply(t *testing.T) {
 func TestReviewLeaseCallerDeadlineInFlight(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
-	p, eng := rvProxied(t, e, 5*time.Second)
+	p, eng := rvProxied(t, e, 5*time.Second, nil)
 	s := rvSem(t, eng, 1, lease.WithTTL(3*time.Second))
 	require.NoError(t, s.Load(ctx))
 	held, err := rvSem(t, e.eng, 1, lease.WithTTL(3*time.Second)).Acquire(ctx, "k2")
@@ -354,7 +272,7 @@ type rvKeepBlocker struct {
 }
 
 func (b *rvKeepBlocker) match(cmd redis.Cmder) {
-	a := rvScriptArgs(cmd)
+	a, _ := rvScriptArgs(cmd)
 	if len(a) < 4 {
 		return
 	}
@@ -374,7 +292,7 @@ func TestReviewLeaseKeepRequeuesGoneWaiter(t *testing.T) {
 			ttl := 3 * time.Second
 			blk := &rvKeepBlocker{caught: make(chan struct{}), resume: make(chan struct{})}
 			c := e.srv.Client(t)
-			c.AddHook(rvHook{match: blk.match})
+			c.AddHook(rvHook{before: blk.match})
 			eng, err := throttle.New(c, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second))
 			require.NoError(t, err)
 			s := rvSem(t, eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(50*time.Millisecond))
@@ -446,7 +364,7 @@ func TestReviewLeasePartitionedHolderNeverLost(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	ttl := 300 * time.Millisecond
-	p, eng := rvProxied(t, e, 100*time.Millisecond)
+	p, eng := rvProxied(t, e, 100*time.Millisecond, nil)
 	s := rvSem(t, eng, 1, lease.WithTTL(ttl))
 	a, err := s.Acquire(ctx, "k")
 	require.NoError(t, err)
@@ -471,7 +389,7 @@ func TestReviewLeasePartitionedHolderNeverLost(t *testing.T) {
 	defer ccancel()
 	t.Logf("Close while cut off: %v", s.Close(cctx))
 	require.NoError(t, other.Close(ctx))
-	rvSettled(t)
+	rvSettled(t, 5*time.Second)
 }
 
 // Redis restarted without persistence: holders learn (Lost). Fencing
@@ -515,7 +433,7 @@ func TestReviewLeaseRedisRestart(t *testing.T) {
 	require.NoError(t, b.Release(ctx))
 	require.NoError(t, s.Close(ctx))
 	require.NoError(t, o.Close(ctx))
-	rvSettled(t)
+	rvSettled(t, 5*time.Second)
 }
 
 // --- Stress: overlap, tokens, cancellations, latency --------------------
@@ -526,7 +444,7 @@ func TestReviewLeaseStress(t *testing.T) {
 	var givenUp atomic.Int64 // leases whose Lost closed while held
 	const n = 2
 	ttl := 3 * time.Second
-	p, peng := rvProxied(t, e, 2*time.Second)
+	p, peng := rvProxied(t, e, 2*time.Second, nil)
 	p.SetLatency(40 * time.Millisecond)
 	// A second plain client for a second "process", so the two differ.
 	c2 := e.srv.Client(t)
@@ -669,7 +587,7 @@ func TestReviewLeaseStress(t *testing.T) {
 	for _, s := range sems {
 		require.NoError(t, s.Close(ctx))
 	}
-	rvSettled(t)
+	rvSettled(t, 5*time.Second)
 }
 
 // FIFO across semaphores (one behind 40 ms latency), with a waiter that
@@ -678,7 +596,7 @@ func TestReviewLeaseFIFOWithLatency(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	ttl := 5 * time.Second
-	p, peng := rvProxied(t, e, 2*time.Second)
+	p, peng := rvProxied(t, e, 2*time.Second, nil)
 	p.SetLatency(40 * time.Millisecond)
 	sems := []*lease.Semaphore{
 		rvSem(t, e.eng, 1, lease.WithTTL(ttl)),
@@ -741,8 +659,8 @@ func TestReviewLeaseReleaseRacesKeep(t *testing.T) {
 	var armed atomic.Bool
 	caught, resume := make(chan struct{}), make(chan struct{})
 	c := e.srv.Client(t)
-	c.AddHook(rvHook{match: func(cmd redis.Cmder) {
-		if a := rvScriptArgs(cmd); len(a) >= 5 {
+	c.AddHook(rvHook{before: func(cmd redis.Cmder) {
+		if a, _ := rvScriptArgs(cmd); len(a) >= 5 {
 			if h, ok := a[3].(int); ok && h >= 1 && armed.CompareAndSwap(true, false) {
 				close(caught)
 				<-resume
@@ -770,7 +688,7 @@ func TestReviewLeaseReleaseRacesKeep(t *testing.T) {
 	}
 	require.NoError(t, b.Release(ctx))
 	require.NoError(t, s.Close(ctx))
-	rvSettled(t)
+	rvSettled(t, 5*time.Second)
 }
 
 // Connections severed every 300 ms under load: at most N believed holders
@@ -780,7 +698,7 @@ func TestReviewLeaseSeverUnderLoad(t *testing.T) {
 	ctx := context.Background()
 	const n = 2
 	ttl := 1500 * time.Millisecond
-	p, peng := rvProxied(t, e, 300*time.Millisecond)
+	p, peng := rvProxied(t, e, 300*time.Millisecond, nil)
 	sems := []*lease.Semaphore{
 		rvSem(t, peng, n, lease.WithTTL(ttl)),
 		rvSem(t, e.eng, n, lease.WithTTL(ttl)),
@@ -877,5 +795,5 @@ func TestReviewLeaseSeverUnderLoad(t *testing.T) {
 	for _, s := range sems {
 		require.NoError(t, s.Close(ctx))
 	}
-	rvSettled(t)
+	rvSettled(t, 5*time.Second)
 }
