@@ -84,7 +84,10 @@
 // a Redis restarted without persistence, or a failover to a replica that
 // had not received the last grants, starts it again lower, so a resource
 // that fences by token should run against a Redis that persists (AOF) and
-// fails over without losing writes (or use WAIT-backed replicas).
+// fails over without losing writes (or use WAIT-backed replicas). Such a
+// Redis loses the leases too: another process may take a place at once,
+// while its holder learns of the loss (Lost) only at its next extension,
+// up to TTL/3 later.
 //
 // # Rate and concurrency together
 //
