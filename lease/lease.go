@@ -510,10 +510,11 @@ type reply struct {
 type grant struct {
 	id    string
 	token int64
-	// by is when, at the latest, Redis holds the lease until, on this
-	// process's clock: the sending of the call that reported the grant
-	// plus the time Redis said it had left. Zero for a grant read from a
-	// wake-up list, which says nothing of when it was made.
+	// by is a time, on this process's clock, until which Redis holds the
+	// lease at least: the sending of the call that reported the grant plus
+	// the time Redis said it had left (the call ran after it was sent).
+	// Zero for a grant read from a wake-up list, which says nothing of
+	// when it was made.
 	by time.Time
 }
 
