@@ -732,7 +732,7 @@ func (e *Engine) bound(ctx context.Context, d time.Duration, now time.Time) (con
 	if dl, ok := ctx.Deadline(); ok && !dl.After(now.Add(d)) {
 		return ctx, noCancel
 	}
-	return context.WithTimeout(ctx, d)
+	return context.WithDeadline(ctx, now.Add(d))
 }
 
 func noCancel() {}
