@@ -614,6 +614,7 @@ func TestReviewHTTPConcurrentRetryAfterGCRA(t *testing.T) {
 		pauses  []rvPause
 		atForce = map[string]time.Time{}
 		dPause  = map[string]time.Duration{}
+		failed  = map[string]bool{} // RoundTrip returned an error (its 429 may not have reached the caller)
 	)
 	up := rvNewUp(t, func(n int, r *http.Request, w http.ResponseWriter) {
 		f, ok := schedule[n]
@@ -661,6 +662,11 @@ func TestReviewHTTPConcurrentRetryAfterGCRA(t *testing.T) {
 					id := fmt.Sprintf("p%d-%d", proc, seq.Add(1))
 					rctx, rcancel := context.WithTimeout(ctx, 3*time.Second)
 					resp, err := tr.RoundTrip(rvReq(t, rctx, up.URL, id, nil))
+					if err != nil {
+						mu.Lock()
+						failed[id] = true
+						mu.Unlock()
+					}
 					if err == nil {
 						if resp.StatusCode != http.StatusOK {
 							now := time.Now()
@@ -688,7 +694,18 @@ func TestReviewHTTPConcurrentRetryAfterGCRA(t *testing.T) {
 	arr := up.got()
 	t.Logf("%d arrivals, %d pauses", len(arr), len(pauses))
 	require.GreaterOrEqual(t, len(arr), 20)
-	require.Len(t, pauses, 3, "three forced answers ask for a pause")
+	// Three forced answers ask for a pause; one whose RoundTrip ended
+	// with an error (its own 3 s deadline passed while the answer was on
+	// its way, on a busy machine) never reached its caller, which cannot
+	// heed it.
+	asked := 0
+	for id, d := range dPause {
+		if d > 0 && !failed[id] {
+			asked++
+		}
+	}
+	require.Len(t, pauses, asked, "forced answers asking for a pause that reached their caller")
+	require.GreaterOrEqual(t, asked, 2, "forced answers asking for a pause that reached their caller")
 	for _, a := range arr {
 		s, ok := sent[a.id]
 		require.True(t, ok, "%s reached the upstream without passing the base", a.id)
