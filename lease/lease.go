@@ -243,11 +243,11 @@ type Lease struct {
 	released bool
 	wasLost  bool
 	// deadline is when the lease may lapse in Redis, on this process's
-	// clock: validFor after the latest call that extended it was sent, or
-	// for a grant, the later of validFor after the latest call that found
-	// its waiter not yet granted and, for a grant reported in a reply, the
-	// call's sending plus the time left Redis reported, less a tenth of the
-	// TTL. lapse closes lost then, unless an extension has moved it.
+	// clock, less a margin (see lostBy): the TTL after the latest call that
+	// extended it was sent, or for a grant, the later of the TTL after the
+	// latest call that found its waiter not yet granted and, for a grant
+	// reported in a reply, the call's sending plus the time left Redis
+	// reported. lapse closes lost then, unless an extension has moved it.
 	deadline time.Time
 	timer    *time.Timer // runs lapse at deadline
 	// fresh marks a lease granted with less than 2/3 of the TTL left by
@@ -309,11 +309,11 @@ func (l *Lease) Release(ctx context.Context) error {
 	return nil
 }
 
-// validFor is how long after a call that granted or extended a lease was
-// sent its holder may count on it: the TTL, less a tenth of it for the
+// lostBy returns when a lease that Redis holds until held at least (on
+// this process's clock) is given up: a tenth of the TTL before, for the
 // lateness of this process's timers and goroutines (a busy machine), so
 // that Lost is closed before Redis can give the place to another.
-func (s *Semaphore) validFor() time.Duration { return s.ttl - s.ttl/10 }
+func (s *Semaphore) lostBy(held time.Time) time.Time { return held.Add(-s.ttl / 10) }
 
 // markLost closes l.lost once.
 func (s *Semaphore) markLost(l *Lease) {
@@ -335,8 +335,8 @@ func (s *Semaphore) markLostLocked(l *Lease) {
 // extended meanwhile (then it waits for the new deadline), l may have
 // lapsed in Redis (lapseLocked). An extension on its way does not hold it
 // off: sent before the deadline, it can only have moved the deadline to
-// its own send time plus validFor, which has passed too by the time the
-// old one has if its reply is late.
+// lostBy its own send time plus the TTL, which has passed too by the time
+// the old one has if its reply is late.
 func (s *Semaphore) lapse(l *Lease) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -502,8 +502,9 @@ func (s *Semaphore) Close(ctx context.Context) error {
 type reply struct {
 	status  int64
 	expired int64
-	grants  []grant  // to this process's waiters
-	extra   []string // keep: the held leases found lapsed
+	grants  []grant   // to this process's waiters
+	extra   []string  // keep: the held leases found lapsed
+	sent    time.Time // when the call was sent (before it waited for a connection)
 }
 
 // A grant is a lease granted to one of this process's waiters.
@@ -532,6 +533,7 @@ func (s *Semaphore) run(ctx context.Context, script *throttle.Script, key string
 	if err != nil {
 		return reply{}, fmt.Errorf("lease: %q: %w", key, err)
 	}
+	r.sent = sent
 	if r.expired > 0 {
 		s.obs.ObserveExpired(s.name, int(r.expired))
 	}

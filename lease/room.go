@@ -123,11 +123,11 @@ func (s *Semaphore) deliver(key string, gs []grant) {
 		delete(r.waiters, g.id)
 		// Granted after w.since, so held until w.since plus the TTL at
 		// least; a grant reported with its time left may be held longer.
-		deadline := w.since.Add(s.validFor())
-		if by := g.by.Add(-s.ttl / 10); by.After(deadline) {
-			deadline = by
+		held := w.since.Add(s.ttl)
+		if g.by.After(held) {
+			held = g.by
 		}
-		l := &Lease{sem: s, key: key, id: g.id, token: g.token, lost: make(chan struct{}), deadline: deadline}
+		l := &Lease{sem: s, key: key, id: g.id, token: g.token, lost: make(chan struct{}), deadline: s.lostBy(held)}
 		l.timer = time.AfterFunc(time.Until(l.deadline), func() { s.lapse(l) })
 		l.fresh = time.Until(l.deadline) < 2*s.ttl/3
 		if l.fresh {
@@ -378,7 +378,6 @@ func (s *Semaphore) keepCall(r *room) {
 	}
 	ctx, cancel := s.detach(context.Background())
 	defer cancel()
-	sent := time.Now()
 	rep, err := s.run(ctx, keepScript, r.key, args...)
 	s.mu.Lock()
 	for _, id := range args[1+h:] {
@@ -386,7 +385,7 @@ func (s *Semaphore) keepCall(r *room) {
 		switch w := r.waiters[id]; {
 		case w != nil:
 			if err == nil {
-				w.since = sent // not granted when the call ran
+				w.since = rep.sent // not granted when the call ran
 			}
 		case r.holds[id] == nil:
 			s.leavingLocked(r, id) // gone while the call was out (also after Close: tried once)
@@ -402,7 +401,7 @@ func (s *Semaphore) keepCall(r *room) {
 			continue
 		}
 		if err == nil && !lapsed[l.id] && !l.released && !l.wasLost {
-			l.deadline = sent.Add(s.validFor()) // extended when the call ran; lapse re-arms for it
+			l.deadline = s.lostBy(rep.sent.Add(s.ttl)) // extended when the call ran; lapse re-arms for it
 		}
 	}
 	s.mu.Unlock()
