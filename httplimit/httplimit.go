@@ -306,10 +306,10 @@ func (t *Transport) acquire(ctx context.Context, key string) error {
 			return err
 		}
 		lim := t.lim
-		if mw, ok := lim.MaxWait(); ok && local > 0 {
+		if mw, ok := t.maxWaitLeft(local); ok && local > 0 {
 			// The max wait counts from the request's start, the local
 			// waits included.
-			if lim, err = t.lim.With(reserve.WithMaxWait(max(mw-local, 0))); err != nil {
+			if lim, err = t.lim.With(reserve.WithMaxWait(mw)); err != nil {
 				return err
 			}
 		}
@@ -400,12 +400,7 @@ func (t *Transport) heed(ctx context.Context, key string, local *time.Duration) 
 			return now, nil // under mu: a pause remembered later is learnt after now
 		}
 		t.mu.Unlock()
-		limit, ok := t.lim.MaxWait()
-		if !ok {
-			limit = deadline.NoCap
-		} else {
-			limit = max(limit-*local, 0)
-		}
+		limit, _ := t.maxWaitLeft(*local)
 		if budget, bound := deadline.Budget(ctx, now, limit, t.lim.WorkEstimate()); p.until.Sub(now) > budget {
 			if budget < 0 { // no time for the work at all: no retry-after, as the limiter's
 				return time.Time{}, deadline.Refuse(bound, budget, 0)
@@ -438,6 +433,17 @@ func (t *Transport) heed(ctx context.Context, key string, local *time.Duration) 
 			return time.Time{}, ctx.Err()
 		}
 	}
+}
+
+// maxWaitLeft returns what is left of the limiter's max wait to a request
+// that has spent local waiting out pauses here (deadline.NoCap and false
+// if the limiter has none).
+func (t *Transport) maxWaitLeft(local time.Duration) (time.Duration, bool) {
+	mw, ok := t.lim.MaxWait()
+	if !ok {
+		return deadline.NoCap, false
+	}
+	return max(mw-local, 0), true
 }
 
 // lostPause reports whether a slot that came now lies inside a pause of

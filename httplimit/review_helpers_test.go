@@ -13,6 +13,7 @@ import (
 	"maps"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"sort"
 	"strings"
 	"sync"
@@ -342,4 +343,20 @@ func rvInside(arr []rvArrival, sent map[string]time.Time, pauses []rvPause, slac
 		}
 	}
 	return bad
+}
+
+// rvSettle waits (up to 5 s, closing u's idle connections) until at most
+// base+2 goroutines run, and reports the stacks if more are left.
+func rvSettle(t *testing.T, u *rvUp, base int) {
+	t.Helper()
+	u.client.CloseIdleConnections()
+	deadline := time.Now().Add(5 * time.Second)
+	for runtime.NumGoroutine() > base+2 && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+		u.client.CloseIdleConnections()
+	}
+	if n := runtime.NumGoroutine(); n > base+2 {
+		buf := make([]byte, 1<<20)
+		t.Errorf("%d goroutines after the run, %d before:\n%s", n, base, buf[:runtime.Stack(buf, true)])
+	}
 }

@@ -755,16 +755,7 @@ func TestReviewHTTP2Concurrent(t *testing.T) {
 	sent.mu.Unlock()
 	mu.Unlock()
 	// Goroutines settle: nothing left waiting on a pause or a timer.
-	up.client.CloseIdleConnections()
-	deadline := time.Now().Add(5 * time.Second)
-	for runtime.NumGoroutine() > base+2 && time.Now().Before(deadline) {
-		time.Sleep(50 * time.Millisecond)
-		up.client.CloseIdleConnections()
-	}
-	if n := runtime.NumGoroutine(); n > base+2 {
-		buf := make([]byte, 1<<20)
-		t.Errorf("%d goroutines after the run, %d before:\n%s", n, base, buf[:runtime.Stack(buf, true)])
-	}
+	rvSettle(t, up, base)
 }
 
 // ------------------------------------------- Redis away, then back

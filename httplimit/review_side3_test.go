@@ -651,16 +651,7 @@ func TestReviewHTTP3StreamCancels(t *testing.T) {
 	if bound := 2*nReq.Load() + 8*int64(len(pauses)) + int64(len(pauses)); calls > bound {
 		t.Errorf("%d Redis calls for %d requests and %d pauses (bound %d)", calls, nReq.Load(), len(pauses), bound)
 	}
-	up.client.CloseIdleConnections()
-	dl := time.Now().Add(5 * time.Second)
-	for runtime.NumGoroutine() > baseG+2 && time.Now().Before(dl) {
-		time.Sleep(50 * time.Millisecond)
-		up.client.CloseIdleConnections()
-	}
-	if n := runtime.NumGoroutine(); n > baseG+2 {
-		buf := make([]byte, 1<<20)
-		t.Errorf("%d goroutines after the run, %d before:\n%s", n, baseG, buf[:runtime.Stack(buf, true)])
-	}
+	rvSettle(t, up, baseG)
 }
 
 // ---------------------------------------- Redis away mid-pause, then back
