@@ -124,6 +124,22 @@ func rvIsKeep(cmd redis.Cmder) bool {
 	return ok
 }
 
+// rvKeepsOut is a hook that counts in out the keep calls on their way.
+func rvKeepsOut(out *atomic.Int64) rvHook {
+	return rvHook{
+		before: func(cmd redis.Cmder) {
+			if rvIsKeep(cmd) {
+				out.Add(1)
+			}
+		},
+		after: func(cmd redis.Cmder, _ time.Duration) {
+			if rvIsKeep(cmd) {
+				out.Add(-1)
+			}
+		},
+	}
+}
+
 // rvHook calls before (if set) before each command is sent, and after (if
 // set) once it has its reply, in the caller's goroutine: either may block
 // it, as a scheduler or a slow path would.

@@ -109,18 +109,7 @@ func TestReviewLease3CutKeepCallOut(t *testing.T) {
 				tweak = func(o *redis.Options) { o.ReadTimeout, o.WriteTimeout = tc.readTimeout, tc.readTimeout }
 			}
 			var keepOut atomic.Int64 // keep calls of A out now
-			p, aEng := rvProxied(t, e, 5*time.Second, tweak, rvHook{
-				before: func(cmd redis.Cmder) {
-					if rvIsKeep(cmd) {
-						keepOut.Add(1)
-					}
-				},
-				after: func(cmd redis.Cmder, _ time.Duration) {
-					if rvIsKeep(cmd) {
-						keepOut.Add(-1)
-					}
-				},
-			})
+			p, aEng := rvProxied(t, e, 5*time.Second, tweak, rvKeepsOut(&keepOut))
 			t.Cleanup(func() { p.SetLatency(0); p.SetReplyDelay(0); p.Sever() })
 			a := rvSem(t, aEng, 1, lease.WithTTL(ttl))
 			b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
@@ -600,18 +589,7 @@ func TestReviewLease3CloseKeepCallsOut(t *testing.T) {
 	ctx := context.Background()
 	ttl := 1200 * time.Millisecond
 	var keepOut atomic.Int64
-	p, aEng := rvProxied(t, e, 5*time.Second, nil, rvHook{
-		before: func(cmd redis.Cmder) {
-			if rvIsKeep(cmd) {
-				keepOut.Add(1)
-			}
-		},
-		after: func(cmd redis.Cmder, _ time.Duration) {
-			if rvIsKeep(cmd) {
-				keepOut.Add(-1)
-			}
-		},
-	})
+	p, aEng := rvProxied(t, e, 5*time.Second, nil, rvKeepsOut(&keepOut))
 	a, err := lease.New(aEng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(60*time.Millisecond))
 	require.NoError(t, err)
 	b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
