@@ -124,6 +124,32 @@ func rvIsKeep(cmd redis.Cmder) bool {
 	return ok
 }
 
+// rvBelieve holds l, believed held (in bel) meanwhile, until stop or until
+// its Lost closes, looking every 2 ms, and returns the interval over
+// which it was believed held (since base) and whether Lost closed. The
+// time is read before Lost is: open when read, the lease was believed
+// held at that time (read after, a goroutine descheduled between the two
+// would stretch the interval past Lost's closing).
+func rvBelieve(l *lease.Lease, bel *rvBelieved, base, stop time.Time) (from, to time.Duration, lost bool) {
+	from = time.Since(base)
+	bel.set(l, true)
+	defer bel.set(l, false)
+	to = from
+	for {
+		now := time.Since(base)
+		select {
+		case <-l.Lost():
+			return from, to, true
+		default:
+			to = now // still believed here
+		}
+		if time.Now().After(stop) {
+			return from, to, false
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
 // rvKeepsOut is a hook that counts in out the keep calls on their way.
 func rvKeepsOut(out *atomic.Int64) rvHook {
 	return rvHook{

@@ -388,25 +388,7 @@ func TestReviewLease2OverlapSevered(t *testing.T) {
 						time.Sleep(3 * time.Millisecond)
 						continue
 					}
-					from := time.Since(base)
-					bel.set(l, true)
-					stop := time.Now().Add(time.Duration(rng.IntN(250)) * time.Millisecond)
-					to := from
-					lost := false
-					for {
-						now := time.Since(base) // read before Lost: see TestReviewLease3OverlapChaos
-						select {
-						case <-l.Lost():
-							lost = true
-						default:
-							to = now // still believed here
-						}
-						if lost || time.Now().After(stop) {
-							break
-						}
-						time.Sleep(2 * time.Millisecond)
-					}
-					bel.set(l, false)
+					from, to, lost := rvBelieve(l, bel, base, time.Now().Add(time.Duration(rng.IntN(250))*time.Millisecond))
 					_ = l.Release(ctx)
 					mu.Lock()
 					ivs = append(ivs, iv{from, to, l.Token()})

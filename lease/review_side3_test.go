@@ -497,29 +497,7 @@ func TestReviewLease3OverlapChaos(t *testing.T) {
 						time.Sleep(3 * time.Millisecond)
 						continue
 					}
-					from := time.Since(base)
-					bel.set(l, true)
-					stop := time.Now().Add(time.Duration(rng.IntN(300)) * time.Millisecond)
-					to := from
-					lost := false
-					for {
-						// The time is read before Lost is: open when read, the
-						// lease was believed held at that time (read after, a
-						// goroutine descheduled between the two would stretch
-						// the interval past Lost's closing).
-						now := time.Since(base)
-						select {
-						case <-l.Lost():
-							lost = true
-						default:
-							to = now
-						}
-						if lost || time.Now().After(stop) {
-							break
-						}
-						time.Sleep(2 * time.Millisecond)
-					}
-					bel.set(l, false)
+					from, to, lost := rvBelieve(l, bel, base, time.Now().Add(time.Duration(rng.IntN(300))*time.Millisecond))
 					rctx, rcancel := context.WithTimeout(ctx, 3*time.Second)
 					_ = l.Release(rctx)
 					rcancel()
