@@ -37,8 +37,9 @@
 //     requests wait it out before they book, since the shared limit does
 //     not hold it, or are refused at once (as the limiter refuses, with
 //     the pause's end as their retry-after) when it ends beyond their
-//     max wait or deadline. Those waiting in
-//     other processes go at their slots (at most one per caller waiting
+//     max wait or deadline. A request's max wait counts from when
+//     RoundTrip began, through its waits for pauses and its bookings
+//     again. Those waiting in other processes go at their slots (at most one per caller waiting
 //     there at the time), unless WithPauseCheck is on: then a request that
 //     had to wait for its slot reads the key's pause (one more Redis call)
 //     before it is sent, and books again behind a pause any process stored
@@ -86,8 +87,12 @@ type Transport struct {
 	pauseCheck   bool
 	onPauseError func(req *http.Request, d time.Duration, err error)
 
-	mu     sync.Mutex        // guards paused
+	mu     sync.Mutex        // guards paused and changed
 	paused map[string]*pause // per key, the pause this Transport learnt of that ends last
+	// changed is closed, and replaced, when a pause is learnt of: it
+	// wakes the requests waiting on a pause, which judge their budget
+	// against the new one.
+	changed chan struct{}
 }
 
 // pause is a pause this Transport learnt of (its own 429 or 503).
@@ -202,6 +207,7 @@ func New(lim *reserve.Limiter, opts ...Option) (*Transport, error) {
 		maxPause: DefaultMaxPause, pauseTimeout: DefaultPauseTimeout,
 		onPauseError: func(*http.Request, time.Duration, error) {},
 		paused:       make(map[string]*pause),
+		changed:      make(chan struct{}),
 	}
 	for _, opt := range opts {
 		if err := opt(t); err != nil {
@@ -299,16 +305,16 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 // end) is booked again, behind the pause: a pause this Transport stored,
 // and with WithPauseCheck one any process stored.
 func (t *Transport) acquire(ctx context.Context, key string) error {
-	var local time.Duration // spent waiting out pauses Redis did not hold
-	for {
-		asked, err := t.heed(ctx, key, &local)
+	start := time.Now()
+	for again := false; ; again = true {
+		asked, waited, err := t.heed(ctx, key, start)
 		if err != nil {
 			return err
 		}
 		lim := t.lim
-		if mw, ok := t.maxWaitLeft(local); ok && local > 0 {
-			// The max wait counts from the request's start, the local
-			// waits included.
+		if mw, ok := t.maxWaitLeft(time.Since(start)); ok && (again || waited) {
+			// The max wait counts from the request's start, its waits
+			// for pauses and its earlier slots included.
 			if lim, err = t.lim.With(reserve.WithMaxWait(mw)); err != nil {
 				return err
 			}
@@ -317,14 +323,14 @@ func (t *Transport) acquire(ctx context.Context, key string) error {
 		if err != nil {
 			return err
 		}
-		waited := r.OK() && r.Booking().Wait > 0
+		slept := r.OK() && r.Booking().Wait > 0
 		if err := r.Wait(ctx); err != nil {
 			return err
 		}
 		if t.pausedSince(key, asked) || t.lostPause(key) {
 			continue
 		}
-		if !t.pauseCheck || !waited {
+		if !t.pauseCheck || !slept {
 			return nil
 		}
 		if st, err := t.lim.State(ctx, t.pauseMarker(key)); err != nil || st.Wait == 0 {
@@ -376,61 +382,67 @@ func (t *Transport) remember(key string, d time.Duration) *pause {
 	}
 	if old, ok := t.paused[key]; !ok || p.until.After(old.until) {
 		t.paused[key] = p
+		close(t.changed)
+		t.changed = make(chan struct{})
 	}
 	return p
 }
 
-// heed waits, before a booking of key, until every pause of key this
-// Transport learnt of is stored in Redis, so that the booking comes after
-// it there; a pause Redis does not hold (storing it failed, or it was
-// lost: see lostPause) is waited out here, and local counts the time so
-// spent. A request whose budget (the limiter's max wait less local, or
-// ctx's deadline less the work estimate) a pause in force here exceeds is
-// refused at once, as the limiter refuses, with the pause's end as its
-// retry-after. heed returns when the request may book (asked: a pause
-// learnt of after it was not heeded, see pausedSince), or ctx's error if
-// ctx ends first.
-func (t *Transport) heed(ctx context.Context, key string, local *time.Duration) (asked time.Time, err error) {
-	for {
+// heed waits, before a booking of key by a request that began at start,
+// until every pause of key this Transport learnt of is stored in Redis, so
+// that the booking comes after it there; a pause Redis does not hold
+// (storing it failed, or it was lost: see lostPause) is waited out here. A
+// request whose budget (what is left of the limiter's max wait since
+// start, or ctx's deadline less the work estimate) a pause in force here
+// exceeds is refused at once, as the limiter refuses, with the pause's end
+// as its retry-after; a pause learnt of while it waits is judged so at
+// once too. heed returns when the request may book (asked: a pause learnt
+// of after it was not heeded, see pausedSince; waited: whether it waited),
+// or ctx's error if ctx ends first.
+func (t *Transport) heed(ctx context.Context, key string, start time.Time) (asked time.Time, waited bool, err error) {
+	for ; ; waited = true {
 		t.mu.Lock()
 		p := t.paused[key]
+		changed := t.changed
 		now := time.Now()
 		if p == nil || !now.Before(p.until) {
 			t.mu.Unlock()
-			return now, nil // under mu: a pause remembered later is learnt after now
+			return now, waited, nil // under mu: a pause remembered later is learnt after now
 		}
 		t.mu.Unlock()
-		limit, _ := t.maxWaitLeft(*local)
+		limit, _ := t.maxWaitLeft(now.Sub(start))
 		if budget, bound := deadline.Budget(ctx, now, limit, t.lim.WorkEstimate()); p.until.Sub(now) > budget {
 			if budget < 0 { // no time for the work at all: no retry-after, as the limiter's
-				return time.Time{}, deadline.Refuse(bound, budget, 0)
+				return time.Time{}, false, deadline.Refuse(bound, budget, 0)
 			}
-			return time.Time{}, deadline.Refuse(bound, budget, p.until.Sub(now))
+			return time.Time{}, false, deadline.Refuse(bound, budget, p.until.Sub(now))
 		}
 		select {
 		case <-p.stored:
+		case <-changed:
+			continue // a later pause: judge the request against it
 		case <-ctx.Done():
-			return time.Time{}, ctx.Err()
+			return time.Time{}, false, ctx.Err()
 		}
 		t.mu.Lock()
 		if !p.unshared {
 			if t.paused[key] == p {
 				asked = time.Now() // under mu, as above
 				t.mu.Unlock()
-				return asked, nil
+				return asked, true, nil
 			}
 			t.mu.Unlock()
 			continue // a later pause came meanwhile
 		}
 		t.mu.Unlock()
-		start := time.Now()
 		timer := time.NewTimer(time.Until(p.until))
 		select {
 		case <-timer.C:
-			*local += time.Since(start)
+		case <-changed:
+			timer.Stop() // a later pause: judge the request against it
 		case <-ctx.Done():
 			timer.Stop()
-			return time.Time{}, ctx.Err()
+			return time.Time{}, false, ctx.Err()
 		}
 	}
 }
