@@ -3,6 +3,7 @@ package reserve
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"github.com/slotbook/slotbook/internal/waitbound"
 	"github.com/slotbook/slotbook/throttle"
@@ -46,6 +47,9 @@ type call struct {
 	ctx  context.Context
 	n    int
 	hold bool // a ReserveBatch request's HoldLate
+	// maxWait is the call's max wait: the limiter's (deadline.NoCap if
+	// none), or a shorter one of ReserveWithin's.
+	maxWait time.Duration
 
 	res *Reservation // set, or err, before wake says done
 	err error

@@ -308,6 +308,24 @@ func (l *Limiter) Reserve(ctx context.Context, key string) (*Reservation, error)
 // once; more callers arriving while a call is in flight go together in the
 // next one, each judged on its own budget.
 func (l *Limiter) ReserveN(ctx context.Context, key string, n int) (*Reservation, error) {
+	return l.reserveN(ctx, key, n, l.maxWait)
+}
+
+// ReserveWithin is ReserveN with a max wait of its own, maxWait, where it
+// is shorter than the limiter's (WithMaxWait): for a caller that has spent
+// part of its max wait already, as package httplimit's requests booking
+// again behind a pause have. A slot beyond it is refused with
+// ErrMaxWaitExceeded. The call coalesces with the limiter's other
+// callers. A negative maxWait is bad input (no Redis call made).
+func (l *Limiter) ReserveWithin(ctx context.Context, key string, n int, maxWait time.Duration) (*Reservation, error) {
+	if maxWait < 0 {
+		return nil, fmt.Errorf("reserve: negative max wait %v", maxWait)
+	}
+	return l.reserveN(ctx, key, n, min(maxWait, l.maxWait))
+}
+
+// reserveN is ReserveN with the call's max wait.
+func (l *Limiter) reserveN(ctx context.Context, key string, n int, maxWait time.Duration) (*Reservation, error) {
 	if err := l.checkSubject(key); err != nil {
 		return nil, err
 	}
@@ -317,7 +335,7 @@ func (l *Limiter) ReserveN(ctx context.Context, key string, n int) (*Reservation
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	c := &call{ctx: ctx, n: n}
+	c := &call{ctx: ctx, n: n, maxWait: maxWait}
 	if l.coalesce {
 		return l.coalesced(key, c)
 	}
@@ -387,7 +405,7 @@ func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequ
 		if err := l.checkN(r.N); err != nil {
 			return nil, fmt.Errorf("request %d: %w", i, err)
 		}
-		c := &call{ctx: r.Context, n: r.N, hold: r.HoldLate}
+		c := &call{ctx: r.Context, n: r.N, hold: r.HoldLate, maxWait: l.maxWait}
 		if c.ctx == nil {
 			c.ctx = ctx
 		}
@@ -444,7 +462,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 		if _, ok := c.ctx.Deadline(); ok && now.IsZero() {
 			now = l.clock.Now()
 		}
-		budget, bound := deadline.Budget(c.ctx, now, l.maxWait, l.work)
+		budget, bound := deadline.Budget(c.ctx, now, c.maxWait, l.work)
 		if budget < 0 {
 			c.res = &Reservation{lim: l, key: key, err: deadline.Refuse(bound, budget, 0)}
 			l.eng.Observer().ObserveDecision(l.name, throttle.Refused, 0)
@@ -485,7 +503,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 				continue
 			}
 			// The local slot is taken now: the budget from now.
-			budget, _ := deadline.Budget(s.c.ctx, arrived, l.maxWait, l.work)
+			budget, _ := deadline.Budget(s.c.ctx, arrived, s.c.maxWait, l.work)
 			s.c.res = l.fallbackReserve(s.c.ctx, key, s.c.n, arrived, budget, err)
 			continue
 		}
