@@ -306,20 +306,19 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 // and with WithPauseCheck one any process stored.
 func (t *Transport) acquire(ctx context.Context, key string) error {
 	start := time.Now()
-	for again := false; ; again = true {
-		asked, waited, err := t.heed(ctx, key, start)
+	for {
+		asked, err := t.heed(ctx, key, start)
 		if err != nil {
 			return err
 		}
-		lim := t.lim
-		if mw, ok := t.maxWaitLeft(time.Since(start)); ok && (again || waited) {
+		var r *reserve.Reservation
+		if mw, ok := t.maxWaitLeft(time.Since(start)); ok {
 			// The max wait counts from the request's start, its waits
 			// for pauses and its earlier slots included.
-			if lim, err = t.lim.With(reserve.WithMaxWait(mw)); err != nil {
-				return err
-			}
+			r, err = t.lim.ReserveWithin(ctx, key, 1, mw)
+		} else {
+			r, err = t.lim.Reserve(ctx, key)
 		}
-		r, err := lim.Reserve(ctx, key)
 		if err != nil {
 			return err
 		}
@@ -397,39 +396,39 @@ func (t *Transport) remember(key string, d time.Duration) *pause {
 // exceeds is refused at once, as the limiter refuses, with the pause's end
 // as its retry-after; a pause learnt of while it waits is judged so at
 // once too. heed returns when the request may book (asked: a pause learnt
-// of after it was not heeded, see pausedSince; waited: whether it waited),
-// or ctx's error if ctx ends first.
-func (t *Transport) heed(ctx context.Context, key string, start time.Time) (asked time.Time, waited bool, err error) {
-	for ; ; waited = true {
+// of after it was not heeded, see pausedSince), or ctx's error if ctx ends
+// first.
+func (t *Transport) heed(ctx context.Context, key string, start time.Time) (asked time.Time, err error) {
+	for {
 		t.mu.Lock()
 		p := t.paused[key]
 		changed := t.changed
 		now := time.Now()
 		if p == nil || !now.Before(p.until) {
 			t.mu.Unlock()
-			return now, waited, nil // under mu: a pause remembered later is learnt after now
+			return now, nil // under mu: a pause remembered later is learnt after now
 		}
 		t.mu.Unlock()
 		limit, _ := t.maxWaitLeft(now.Sub(start))
 		if budget, bound := deadline.Budget(ctx, now, limit, t.lim.WorkEstimate()); p.until.Sub(now) > budget {
 			if budget < 0 { // no time for the work at all: no retry-after, as the limiter's
-				return time.Time{}, false, deadline.Refuse(bound, budget, 0)
+				return time.Time{}, deadline.Refuse(bound, budget, 0)
 			}
-			return time.Time{}, false, deadline.Refuse(bound, budget, p.until.Sub(now))
+			return time.Time{}, deadline.Refuse(bound, budget, p.until.Sub(now))
 		}
 		select {
 		case <-p.stored:
 		case <-changed:
 			continue // a later pause: judge the request against it
 		case <-ctx.Done():
-			return time.Time{}, false, ctx.Err()
+			return time.Time{}, ctx.Err()
 		}
 		t.mu.Lock()
 		if !p.unshared {
 			if t.paused[key] == p {
 				asked = time.Now() // under mu, as above
 				t.mu.Unlock()
-				return asked, true, nil
+				return asked, nil
 			}
 			t.mu.Unlock()
 			continue // a later pause came meanwhile
@@ -442,7 +441,7 @@ func (t *Transport) heed(ctx context.Context, key string, start time.Time) (aske
 			timer.Stop() // a later pause: judge the request against it
 		case <-ctx.Done():
 			timer.Stop()
-			return time.Time{}, false, ctx.Err()
+			return time.Time{}, ctx.Err()
 		}
 	}
 }

@@ -1,6 +1,6 @@
 package httplimit_test
 
-// Adversarial review (4) of httplimit, through the public API only: the
+// Adversarial review (4, helper-67) of httplimit, through the public API only: the
 // path after a Transport waited out locally a pause Redis does not hold
 // (its store failed), whose next booking goes through a view of the
 // limiter built per booking (Limiter.With(WithMaxWait(maxWait - local))).
