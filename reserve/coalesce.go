@@ -3,6 +3,7 @@ package reserve
 import (
 	"context"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/slotbook/slotbook/internal/waitbound"
@@ -35,11 +36,38 @@ const defaultMaxQueue = 4 * throttle.MaxBatch
 // on, queueing serves more and makes a tenth of the calls or fewer.
 const soloBelow = 4
 
-// queue is the state of one key with a call in flight and callers
-// waiting. A key with a call in flight and no one waiting has a nil queue
-// in Limiter.queues: a caller alone allocates none.
-type queue struct {
+// keyState is the coalescing state of one key while it has callers in
+// the Limiter: how many (sending, queued, or sent alone), whether a call
+// of its batches is in flight, and the callers queued behind it. A key
+// without callers has none in Limiter.keys; a caller alone finds one on
+// the Limiter's free list (one map lookup, one insert and one delete per
+// call, and no allocation).
+type keyState struct {
+	callers int
+	busy    bool // a batch call in flight; the leader chain holds it
 	pending []*call
+}
+
+// maxSpare bounds the Limiter's free list of keyStates: enough for every
+// key with callers at once under a busy process, and no more.
+const maxSpare = 256
+
+// enter counts a caller of key in, and returns its key's state and how
+// many other callers it has. Called with l.mu held.
+func (l *Limiter) enter(key string) (*keyState, int) {
+	ks := l.keys[key]
+	if ks == nil {
+		if n := len(l.spare); n > 0 {
+			ks = l.spare[n-1]
+			l.spare[n-1] = nil
+			l.spare = l.spare[:n-1]
+		} else {
+			ks = &keyState{}
+		}
+		l.keys[key] = ks
+	}
+	ks.callers++
+	return ks, ks.callers - 1
 }
 
 // call is one ReserveN caller.
@@ -74,35 +102,26 @@ func (c *call) alone() []*call {
 
 func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
 	l.mu.Lock()
-	others := l.callers[key]
-	l.callers[key] = others + 1
-	defer l.leave(key)
-	q, busy := l.queues[key]
-	if busy && others < l.soloBelow {
+	ks, others := l.enter(key)
+	defer l.leave(key, ks)
+	if ks.busy && (others < l.soloBelow || len(ks.pending) >= l.maxQueue) {
 		l.mu.Unlock()
 		return l.sendAlone(key, c)
 	}
-	if !busy {
-		l.queues[key] = nil // in flight, no one waiting
+	if !ks.busy {
+		ks.busy = true // in flight, no one waiting
 		l.mu.Unlock()
-		l.send(c.ctx, key, c.alone())
+		l.send(c.ctx, key, ks, c.alone())
 		return c.finish()
 	}
-	if q == nil {
-		q = &queue{}
-		l.queues[key] = q
-	} else if len(q.pending) >= l.maxQueue {
-		l.mu.Unlock()
-		return l.sendAlone(key, c)
-	}
 	c.wake = make(chan bool, 1)
-	q.pending = append(q.pending, c)
+	ks.pending = append(ks.pending, c)
 	l.mu.Unlock()
 
 	select {
 	case lead := <-c.wake:
 		if lead {
-			l.lead(key, c)
+			l.lead(key, ks, c)
 		}
 		return c.finish()
 	case <-c.ctx.Done():
@@ -111,11 +130,8 @@ func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
 	// Cancelled while queued: leave the queue if no batch has taken us.
 	l.mu.Lock()
 	if !c.taken {
-		for i, p := range q.pending {
-			if p == c {
-				q.pending = append(q.pending[:i], q.pending[i+1:]...)
-				break
-			}
+		if i := slices.Index(ks.pending, c); i >= 0 {
+			ks.pending = slices.Delete(ks.pending, i, i+1)
 		}
 		l.mu.Unlock()
 		return nil, c.ctx.Err()
@@ -124,7 +140,7 @@ func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
 	// Taken: our request is in a batch, or we lead the next one. Send it if
 	// we lead, else wait for it; then give back anything booked for us.
 	if <-c.wake {
-		l.lead(key, c)
+		l.lead(key, ks, c)
 	}
 	return c.finish()
 }
@@ -141,36 +157,40 @@ func (l *Limiter) sendAlone(key string, c *call) (*Reservation, error) {
 	return c.finish()
 }
 
-// leave counts a caller of key out of Limiter.callers.
-func (l *Limiter) leave(key string) {
+// leave counts a caller of key out; the last one takes the key's state out
+// of Limiter.keys (no call is in flight then, and no one queued: every
+// leader and queued caller is a caller) and keeps it for the next key.
+func (l *Limiter) leave(key string, ks *keyState) {
 	l.mu.Lock()
-	if n := l.callers[key] - 1; n > 0 {
-		l.callers[key] = n
-	} else {
-		delete(l.callers, key)
+	if ks.callers--; ks.callers == 0 {
+		delete(l.keys, key)
+		if len(l.spare) < maxSpare && cap(ks.pending) <= throttle.MaxBatch {
+			ks.pending = ks.pending[:0]
+			l.spare = append(l.spare, ks)
+		}
 	}
 	l.mu.Unlock()
 }
 
 // lead sends, for leader c (taken by handOn), the batch of c and the
 // callers queued for key by now.
-func (l *Limiter) lead(key string, c *call) {
+func (l *Limiter) lead(key string, ks *keyState, c *call) {
 	l.mu.Lock()
 	batch := c.alone()
-	if q := l.queues[key]; q != nil && len(q.pending) > 0 {
-		n := min(len(q.pending), throttle.MaxBatch-1)
+	if len(ks.pending) > 0 {
+		n := min(len(ks.pending), throttle.MaxBatch-1)
 		batch = make([]*call, 0, 1+n)
 		batch = append(batch, c)
-		batch = append(batch, q.pending[:n]...)
-		for _, p := range q.pending[:n] {
+		batch = append(batch, ks.pending[:n]...)
+		for _, p := range ks.pending[:n] {
 			p.taken = true
 		}
-		rest := copy(q.pending, q.pending[n:])
-		clear(q.pending[rest:])
-		q.pending = q.pending[:rest]
+		rest := copy(ks.pending, ks.pending[n:])
+		clear(ks.pending[rest:])
+		ks.pending = ks.pending[:rest]
 	}
 	l.mu.Unlock()
-	l.send(c.ctx, key, batch)
+	l.send(c.ctx, key, ks, batch)
 }
 
 // finish returns the call's outcome once its batch is back. A caller whose
@@ -192,7 +212,7 @@ func (c *call) finish() (*Reservation, error) {
 // or marks the key idle. If booking panics (an Observer's panic, say), the
 // batch's other callers get an error, the key is handed on all the same, so
 // it cannot stall, and the panic goes on up the sender's stack.
-func (l *Limiter) send(ctx context.Context, key string, batch []*call) {
+func (l *Limiter) send(ctx context.Context, key string, ks *keyState, batch []*call) {
 	defer func() {
 		if p := recover(); p != nil {
 			for _, c := range batch {
@@ -200,7 +220,7 @@ func (l *Limiter) send(ctx context.Context, key string, batch []*call) {
 					c.err = fmt.Errorf("reserve: booking for %q panicked: %v", key, p)
 				}
 			}
-			l.handOn(key, batch)
+			l.handOn(ks, batch)
 			panic(p)
 		}
 	}()
@@ -217,7 +237,7 @@ func (l *Limiter) send(ctx context.Context, key string, batch []*call) {
 	k := l.subjectKey(key)
 	late := l.book(bctx, k, batch)
 	after := lateAfter(late, batch)
-	l.handOn(key, batch)
+	l.handOn(ks, batch)
 	l.giveBackLate(ctx, k, late, after)
 }
 
@@ -228,17 +248,17 @@ func (l *Limiter) send(ctx context.Context, key string, batch []*call) {
 // callers just woken that queue again before then go in it too. The key
 // stays marked busy until the leader has sent its batch and handed on in
 // turn, so no other call for it goes out meanwhile.
-func (l *Limiter) handOn(key string, batch []*call) {
+func (l *Limiter) handOn(ks *keyState, batch []*call) {
 	l.mu.Lock()
 	var next *call
-	if q := l.queues[key]; q == nil || len(q.pending) == 0 {
-		delete(l.queues, key)
+	if len(ks.pending) == 0 {
+		ks.busy = false
 	} else {
-		next = q.pending[0]
+		next = ks.pending[0]
 		next.taken = true
-		rest := copy(q.pending, q.pending[1:])
-		q.pending[rest] = nil
-		q.pending = q.pending[:rest]
+		rest := copy(ks.pending, ks.pending[1:])
+		ks.pending[rest] = nil
+		ks.pending = ks.pending[:rest]
 	}
 	l.mu.Unlock()
 	for _, c := range batch {

@@ -3,6 +3,7 @@ package reserve_test
 import (
 	"context"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -341,4 +342,52 @@ func TestCoalescingObserverPanic(t *testing.T) {
 	r := wait(reserveAsync(), "the next caller")
 	require.NoError(t, r.err)
 	require.True(t, r.r.OK())
+}
+
+// TestCoalescingStateGoesWithItsCallers: once every caller is gone (booked,
+// refused, cancelled while queued or in flight, sent alone), the Limiter
+// holds no coalescing state for any key, and its store of states for reuse
+// stays bounded: state lives only while a key has callers, whatever the
+// number of keys.
+func TestCoalescingStateGoesWithItsCallers(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	l := e.limiter(t, throttle.PerSecond(1000, 10), reserve.WithMaxWait(20*time.Millisecond))
+	require.NoError(t, e.eng.Load(context.Background()))
+	reserve.SetSoloBelow(l, 1) // callers queue behind any call in flight
+	var wg sync.WaitGroup
+	var booked, refused, ended atomic.Int64
+	for g := 0; g < 64; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; i < 60; i++ {
+				// Some callers give up at once, some while queued or in
+				// flight; keys shared by a few goroutines at a time, and
+				// more keys than a Limiter keeps spare states.
+				ctx, cancel := context.WithTimeout(context.Background(), time.Duration(i%4)*3*time.Millisecond+time.Microsecond)
+				key := strconv.Itoa((g*60 + i) % 400 / 3)
+				if i%2 == 0 {
+					key = strconv.Itoa(g % 8)
+				}
+				r, err := l.Reserve(ctx, key)
+				switch {
+				case err != nil:
+					ended.Add(1)
+				case r.OK():
+					booked.Add(1)
+				default:
+					refused.Add(1)
+				}
+				cancel()
+			}
+		}()
+	}
+	wg.Wait()
+	t.Logf("booked %d, refused %d, ended %d", booked.Load(), refused.Load(), ended.Load())
+	require.Positive(t, booked.Load())
+	require.Positive(t, ended.Load())
+	live, spare := reserve.KeyStates(l)
+	require.Zero(t, live, "keys holding coalescing state with no caller left")
+	require.LessOrEqual(t, spare, 256)
 }

@@ -13,8 +13,8 @@ func SetSoloBelow(l *Limiter, n int) { l.soloBelow = n }
 func QueueLen(l *Limiter, key string) int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if q := l.queues[key]; q != nil {
-		return len(q.pending)
+	if ks := l.keys[key]; ks != nil {
+		return len(ks.pending)
 	}
 	return 0
 }
@@ -22,3 +22,11 @@ func QueueLen(l *Limiter, key string) int {
 // Instances returns how many processes l's local share divides its limits
 // by: assumed, or the count learned from the latest heartbeat.
 func Instances(l *Limiter) int64 { return l.fallback.instances.Load() }
+
+// KeyStates returns how many keys of l hold coalescing state, and how many
+// spare states l keeps for reuse.
+func KeyStates(l *Limiter) (live, spare int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.keys), len(l.spare)
+}

@@ -52,9 +52,9 @@ type Limiter struct {
 	coalesce  bool
 	maxQueue  int
 	soloBelow int
-	mu        sync.Mutex        // guards queues and callers
-	queues    map[string]*queue // per subject key, while a call is in flight
-	callers   map[string]int    // per subject key, callers in coalesced
+	mu        sync.Mutex           // guards keys and spare, and the keyStates
+	keys      map[string]*keyState // per subject key with callers in coalesced
+	spare     []*keyState          // keyStates of keys gone idle, for reuse
 }
 
 // An Option configures a Limiter in New.
@@ -155,7 +155,7 @@ func New(eng *throttle.Engine, name string, limit throttle.Limit, opts ...Option
 	l := &Limiter{
 		eng: eng, name: name, limit: limit, limits: []throttle.Limit{limit}, maxWait: deadline.NoCap, clock: realClock{},
 		coalesce: true, maxQueue: defaultMaxQueue, soloBelow: soloBelow,
-		queues: make(map[string]*queue), callers: make(map[string]int),
+		keys: make(map[string]*keyState),
 	}
 	for _, opt := range opts {
 		if err := opt(l); err != nil {
