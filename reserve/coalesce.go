@@ -164,7 +164,10 @@ func (l *Limiter) leave(key string, ks *keyState) {
 	l.mu.Lock()
 	if ks.callers--; ks.callers == 0 {
 		delete(l.keys, key)
-		if len(l.spare) < maxSpare && cap(ks.pending) <= throttle.MaxBatch {
+		// Not busy, nothing queued: every leader and queued caller is a
+		// caller. Checked all the same, so that a state can never carry a
+		// key's marks to another.
+		if !ks.busy && len(ks.pending) == 0 && len(l.spare) < maxSpare && cap(ks.pending) <= throttle.MaxBatch {
 			ks.pending = ks.pending[:0]
 			l.spare = append(l.spare, ks)
 		}
@@ -209,18 +212,35 @@ func (c *call) finish() (*Reservation, error) {
 
 // send books batch (whose callers are all taken) in one call, wakes its
 // callers, and hands the queue that built up meanwhile to its first caller,
-// or marks the key idle. If booking panics (an Observer's panic, say), the
-// batch's other callers get an error, the key is handed on all the same, so
-// it cannot stall, and the panic goes on up the sender's stack.
+// or marks the key idle. If booking panics (an Observer's panic, say) or
+// ends the goroutine (runtime.Goexit), the batch's other callers get an
+// error, the key is handed on all the same, so it cannot stall, and the
+// panic goes on up the sender's stack.
 func (l *Limiter) send(ctx context.Context, key string, ks *keyState, batch []*call) {
+	// The key is handed on once, whichever way booking ends: normally,
+	// with a panic (recovered, and raised again once the key is handed on),
+	// or with runtime.Goexit (an Observer calling t.FailNow, say; recover
+	// gives nil then). A panic after the key is handed on (a late booking's
+	// refund Observer) goes up as it is: handing on again would wake the
+	// batch's callers twice and start a second leader.
+	handed := false
 	defer func() {
-		if p := recover(); p != nil {
-			for _, c := range batch {
-				if c.res == nil && c.err == nil {
-					c.err = fmt.Errorf("reserve: booking for %q panicked: %v", key, p)
-				}
+		if handed {
+			return
+		}
+		p := recover()
+		why := "ended its goroutine (runtime.Goexit)"
+		if p != nil {
+			why = fmt.Sprintf("panicked: %v", p)
+		}
+		for _, c := range batch {
+			if c.res == nil && c.err == nil {
+				c.err = fmt.Errorf("reserve: booking for %q %s", key, why)
 			}
-			l.handOn(ks, batch)
+		}
+		handed = true
+		l.handOn(ks, batch)
+		if p != nil {
 			panic(p)
 		}
 	}()
@@ -237,6 +257,7 @@ func (l *Limiter) send(ctx context.Context, key string, ks *keyState, batch []*c
 	k := l.subjectKey(key)
 	late := l.book(bctx, k, batch)
 	after := lateAfter(late, batch)
+	handed = true
 	l.handOn(ks, batch)
 	l.giveBackLate(ctx, k, late, after)
 }

@@ -391,3 +391,44 @@ func TestCoalescingStateGoesWithItsCallers(t *testing.T) {
 	require.Zero(t, live, "keys holding coalescing state with no caller left")
 	require.LessOrEqual(t, spare, 256)
 }
+
+// TestCoalescingGoexitHandsOn: the sender of a key's call whose Observer
+// ends its goroutine (runtime.Goexit, as t.FailNow in an Observer does:
+// there is no panic to recover) still hands the key on: the caller queued
+// behind that call leads the next one and is served, and no state is left.
+func TestCoalescingGoexitHandsOn(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	obs := &ksGoexit{}
+	eng, err := throttle.New(e.rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second), throttle.WithObserver(obs))
+	require.NoError(t, err)
+	require.NoError(t, eng.Load(context.Background()))
+	l, err := reserve.New(eng, "api", throttle.PerSecond(1000, 100))
+	require.NoError(t, err)
+	reserve.SetSoloBelow(l, 1) // the second caller queues behind the first's call
+
+	g := newGate(e.rdb)
+	g.armed.Store(true)
+	first := make(chan struct{})
+	go func() {
+		defer close(first)
+		_, _ = l.Reserve(context.Background(), "k") // its goroutine ends in the Observer
+	}()
+	<-g.entered
+	g.armed.Store(false)
+	second := make(chan error, 1)
+	go func() { _, err := l.Reserve(context.Background(), "k"); second <- err }()
+	require.Eventually(t, func() bool { return reserve.QueueLen(l, "k") == 1 }, 5*time.Second, time.Millisecond)
+	obs.armed.Store(true)
+	close(g.release)
+	<-first
+	require.False(t, obs.armed.Load(), "the Observer did not end the first booking's goroutine")
+	select {
+	case err := <-second:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second): // the engine's timeout is 5s; a stalled key never answers
+		t.Fatal("the caller queued behind a call whose sender's goroutine ended was never served: the key stalled")
+	}
+	live, _ := reserve.KeyStates(l)
+	require.Zero(t, live)
+}
