@@ -31,7 +31,11 @@ func (o Outcome) String() string {
 // An Observer is told of the engine's work; package metrics turns it into
 // Prometheus metrics. Its methods are called synchronously on the request
 // path, from many goroutines at once: they must be quick and safe for
-// concurrent use.
+// concurrent use, and must not panic: some run on goroutines of the
+// library's own (a refund sent after its caller had its answer, a
+// keeper's), where a panic ends the process as any goroutine's does.
+// (Package reserve hands a key on to its next caller whatever a booking's
+// Observer does, a panic or runtime.Goexit included.)
 //
 // limiter is the part of the key before its first ':' (for keys built by
 // package reserve, the limiter's name). Keep it bounded: never a subject.
