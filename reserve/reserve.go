@@ -511,7 +511,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 			s.c.err = err
 			continue
 		}
-		r := &Reservation{lim: l, key: key, booking: bs[i]}
+		r := &Reservation{lim: l, key: key, booking: &bs[i]}
 		switch act := arrived.Add(bs[i].Wait); {
 		case !bs[i].OK:
 			r.err = deadline.Refuse(s.bound, s.budget, bs[i].Wait)
@@ -525,7 +525,9 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 				r.held = true
 				break
 			}
-			r.booking.OK = false // given back, see below
+			given := bs[i] // given back, see below (bs[i] stays as booked)
+			given.OK = false
+			r.booking = &given
 			anyLate = true
 		default:
 			r.act = act
@@ -669,19 +671,24 @@ func (l *Limiter) AcquireN(ctx context.Context, key string, n int) error {
 // A Reservation is a booked slot (or a refusal) from ReserveN. Its methods
 // are safe for concurrent use.
 type Reservation struct {
-	lim     *Limiter
-	key     string
-	booking throttle.Booking
+	lim *Limiter
+	key string
+	// booking is the engine's answer, nil if none (a refusal before any
+	// call, the fallback's answer). It points into the batch's slice of
+	// answers, shared with the batch's other Reservations, and is never
+	// written through: a copy of a Reservation's own replaces it.
+	booking *throttle.Booking
 	act     time.Time // local time to act
 	err     error     // the refusal, if not OK
 
-	fallback bool                // answered by the fallback, not Redis
-	local    []*rate.Reservation // LocalShare's bookings, one per limit
-	held     bool                // a refusal holding its booking (BatchRequest.HoldLate)
-	view     bool                // made by View: Cancel gives nothing back
-	late     *lateLinks          // nil unless its batch had late bookings
+	local []*rate.Reservation // LocalShare's bookings, one per limit
+	late  *lateLinks          // nil unless its batch had late bookings
 
-	mu       sync.Mutex // guards canceled
+	mu sync.Mutex // guards canceled
+
+	fallback bool // answered by the fallback, not Redis
+	held     bool // a refusal holding its booking (BatchRequest.HoldLate)
+	view     bool // made by View: Cancel gives nothing back
 	canceled bool
 }
 
@@ -715,7 +722,12 @@ func (r *Reservation) Fallback() bool { return r.fallback }
 // Redis clock when the booking was made. Its OK reports whether Redis
 // booked a slot that r holds: for a refusal it is false, but for a late one
 // held for the caller (BatchRequest.HoldLate).
-func (r *Reservation) Booking() throttle.Booking { return r.booking }
+func (r *Reservation) Booking() throttle.Booking {
+	if r.booking == nil {
+		return throttle.Booking{}
+	}
+	return *r.booking
+}
 
 // SlotAt returns the local time at which the holder may act. It is the zero
 // Time for a refusal.
@@ -859,7 +871,7 @@ func (r *Reservation) cancel(ctx context.Context, unused bool) error {
 		r.canceled = true // Redis would give nothing back: no call
 		return nil
 	}
-	if _, err := refund(ctx, r.lim.keysOf(r.key), r.lim.limits, r.booking); err != nil {
+	if _, err := refund(ctx, r.lim.keysOf(r.key), r.lim.limits, *r.booking); err != nil {
 		return err
 	}
 	r.canceled = true

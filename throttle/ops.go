@@ -751,8 +751,21 @@ func judge(vals []int64, limits []Limit, reqs []Request) ([]Booking, error) {
 	for k, l := range limits {
 		interval[k], tau[k] = l.intervalMicros(), l.tauMicros()
 	}
-	out := make([]Booking, len(reqs))
-	var ways []atomic.Uint32 // each booking's way, one allocation for all
+	var (
+		out  []Booking
+		ways []atomic.Uint32 // each booking's way, one allocation for all
+	)
+	if len(reqs) == 1 {
+		// One request, the common case: its Booking and its way in one
+		// allocation.
+		one := new(struct {
+			b [1]Booking
+			w [1]atomic.Uint32
+		})
+		out, ways = one.b[:], one.w[:]
+	} else {
+		out = make([]Booking, len(reqs))
+	}
 	run, pos := -1, int64(0) // the request's run, and its place in it
 	for i, r := range reqs {
 		if !sameRun(reqs, i) {
