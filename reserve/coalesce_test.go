@@ -400,11 +400,7 @@ func TestCoalescingGoexitHandsOn(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t)
 	obs := &ksGoexit{}
-	eng, err := throttle.New(e.rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second), throttle.WithObserver(obs))
-	require.NoError(t, err)
-	require.NoError(t, eng.Load(context.Background()))
-	l, err := reserve.New(eng, "api", throttle.PerSecond(1000, 100))
-	require.NoError(t, err)
+	l := ksObserved(t, e, obs)
 	reserve.SetSoloBelow(l, 1) // the second caller queues behind the first's call
 
 	g := newGate(e.rdb)

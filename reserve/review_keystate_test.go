@@ -776,11 +776,7 @@ func (o *ksRefundPanicky) ObserveBreaker(bool) {}
 func TestReviewKSRefundObserverPanic(t *testing.T) {
 	e := newEnv(t)
 	obs := &ksRefundPanicky{}
-	eng, err := throttle.New(e.rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second), throttle.WithObserver(obs))
-	require.NoError(t, err)
-	require.NoError(t, eng.Load(context.Background()))
-	l, err := reserve.New(eng, "api", throttle.PerSecond(1000, 100))
-	require.NoError(t, err)
+	l := ksObserved(t, e, obs)
 	reserve.SetSoloBelow(l, 1)
 	control := ksControl(t, l)
 
@@ -887,11 +883,7 @@ func (o *ksGoexit) ObserveBreaker(bool)                      {}
 func TestReviewKSGoexitOtherKey(t *testing.T) {
 	e := newEnv(t)
 	obs := &ksGoexit{}
-	eng, err := throttle.New(e.rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second), throttle.WithObserver(obs))
-	require.NoError(t, err)
-	require.NoError(t, eng.Load(context.Background()))
-	l, err := reserve.New(eng, "api", throttle.PerSecond(1000, 100))
-	require.NoError(t, err)
+	l := ksObserved(t, e, obs)
 	reserve.SetSoloBelow(l, 1)
 	control := ksControl(t, l)
 
@@ -986,11 +978,7 @@ func TestReviewKSLedgerCatchesEarlySlots(t *testing.T) {
 func TestReviewKSGoexitOtherKeyDefault(t *testing.T) {
 	e := newEnv(t)
 	obs := &ksGoexit{}
-	eng, err := throttle.New(e.rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second), throttle.WithObserver(obs))
-	require.NoError(t, err)
-	require.NoError(t, eng.Load(context.Background()))
-	l, err := reserve.New(eng, "api", throttle.PerSecond(1000, 100))
-	require.NoError(t, err)
+	l := ksObserved(t, e, obs)
 	control := ksControl(t, l)
 
 	obs.armed.Store(true)
@@ -1027,4 +1015,16 @@ func TestReviewKSGoexitOtherKeyDefault(t *testing.T) {
 		}
 	}
 	ksNoState(t, l)
+}
+
+// ksObserved returns a Limiter ("api", 1000/s, burst 100) on an engine of
+// its own over e's client, with the Observer obs.
+func ksObserved(t *testing.T, e *env, obs throttle.Observer) *reserve.Limiter {
+	t.Helper()
+	eng, err := throttle.New(e.rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second), throttle.WithObserver(obs))
+	require.NoError(t, err)
+	require.NoError(t, eng.Load(context.Background()))
+	l, err := reserve.New(eng, "api", throttle.PerSecond(1000, 100))
+	require.NoError(t, err)
+	return l
 }
