@@ -207,21 +207,28 @@ func (m *merger) lead(ctx context.Context, batch *mergeBatch, it *mergeItem) mer
 	items := batch.items
 	m.mu.Unlock()
 
-	// If sending panics (an Observer's panic, say), the batch's other
-	// requests get an error, the tokens come back (the deferred calls),
-	// and the panic goes on up the leader's stack.
+	// If sending panics (an Observer's panic, say) or ends the goroutine
+	// (runtime.Goexit: recover gives nil), the batch's other requests get
+	// an error, the tokens come back (the deferred calls), and a panic
+	// goes on up the leader's stack; a Goexit goes on ending it.
 	answered := false
 	defer func() {
 		if answered {
 			return
 		}
 		p := recover()
+		why := "ended its goroutine (runtime.Goexit)"
+		if p != nil {
+			why = fmt.Sprintf("panicked: %v", p)
+		}
 		for _, x := range items {
 			if x != it {
-				x.answer <- mergeAnswer{err: fmt.Errorf("merged call panicked: %v", p)}
+				x.answer <- mergeAnswer{err: fmt.Errorf("merged call %s", why)}
 			}
 		}
-		panic(p)
+		if p != nil {
+			panic(p)
+		}
 	}()
 	var answers []mergeAnswer
 	if err == nil {
