@@ -215,7 +215,12 @@ func rvSetup(t *testing.T, srv *redistest.Server, prefix string, timeout time.Du
 	if srv == nil {
 		srv = redistest.Shared(t)
 	}
-	c := srv.Client(t)
+	return rvSetupOn(t, srv.Client(t), prefix, timeout, limit, opts...)
+}
+
+// rvSetupOn is rvSetup on a given client (one through a proxy, say).
+func rvSetupOn(t *testing.T, c *redis.Client, prefix string, timeout time.Duration, limit throttle.Limit, opts ...reserve.Option) (*reserve.Limiter, *rvHook) {
+	t.Helper()
 	h := &rvHook{}
 	c.AddHook(h)
 	eng, err := throttle.New(c, throttle.WithPrefix(prefix), throttle.WithTimeout(timeout))
@@ -223,7 +228,9 @@ func rvSetup(t *testing.T, srv *redistest.Server, prefix string, timeout time.Du
 	lim, err := reserve.New(eng, "rv", limit, opts...)
 	require.NoError(t, err)
 	bg := context.Background()
-	require.NoError(t, lim.Pause(bg, "rv-probe", time.Millisecond)) // loads the script
+	// Loads the script (retried: a first call through a proxy may miss a
+	// tight timeout).
+	redistest.UntilOK(t, func() error { return lim.Pause(bg, "rv-probe", time.Millisecond) })
 	h.mu.Lock()
 	h.learn = true
 	h.mu.Unlock()
@@ -239,6 +246,21 @@ func rvSetup(t *testing.T, srv *redistest.Server, prefix string, timeout time.Du
 	require.NoError(t, err)
 	require.True(t, r.OK())
 	return lim, h
+}
+
+// rvGo sends the request id through tr on a goroutine of its own, failing
+// t if RoundTrip fails; the channel is closed once RoundTrip has returned.
+func rvGo(t *testing.T, ctx context.Context, tr http.RoundTripper, url, id string) <-chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		resp, err := tr.RoundTrip(rvReq(t, ctx, url, id, nil))
+		if err != nil {
+			t.Errorf("%s: %v", id, err)
+		}
+		rvDrain(resp)
+	}()
+	return done
 }
 
 // rvSent wraps a base RoundTripper, recording when each request was handed

@@ -571,15 +571,7 @@ func TestReviewHTTP2LongKeyMarkerAcrossProcesses(t *testing.T) {
 	require.NoError(t, err)
 	tr2, err := httplimit.New(lim2, httplimit.WithBase(up.client), httplimit.WithPauseCheck(true), kf)
 	require.NoError(t, err)
-	rDone := make(chan struct{})
-	go func() {
-		defer close(rDone)
-		resp, err := tr1.RoundTrip(rvReq(t, bg, up.URL, "R", nil))
-		if err != nil {
-			t.Errorf("R: %v", err)
-		}
-		rvDrain(resp)
-	}()
+	rDone := rvGo(t, bg, tr1, up.URL, "R")
 	require.Eventually(t, func() bool { _, ok := up.gotID("R"); return ok }, 2*time.Second, time.Millisecond)
 	wDone := make(chan error, 1)
 	go func() {

@@ -96,15 +96,7 @@ func TestReviewHTTP3BudgetWhileStoring(t *testing.T) {
 		})
 		tr, err := httplimit.New(lim, httplimit.WithBase(up.client), httplimit.WithKey(func(*http.Request) string { return "k" }))
 		require.NoError(t, err)
-		rDone := make(chan struct{})
-		go func() {
-			defer close(rDone)
-			resp, err := tr.RoundTrip(rvReq(t, bg, up.URL, "R", nil))
-			if err != nil {
-				t.Errorf("R: %v", err)
-			}
-			rvDrain(resp)
-		}()
+		rDone := rvGo(t, bg, tr, up.URL, "R")
 		<-in
 		if !held {
 			<-rDone

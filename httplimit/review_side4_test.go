@@ -22,7 +22,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/deadline"
@@ -35,33 +34,6 @@ import (
 var errRV4Injected = errors.New("rv4: injected pause failure")
 
 func rv4Key(*http.Request) string { return "k" }
-
-// rv4Setup is rvSetup on a given client (one through a proxy, say).
-func rv4Setup(t *testing.T, c *redis.Client, prefix string, timeout time.Duration, limit throttle.Limit, opts ...reserve.Option) (*reserve.Limiter, *rvHook) {
-	t.Helper()
-	h := &rvHook{}
-	c.AddHook(h)
-	eng, err := throttle.New(c, throttle.WithPrefix(prefix), throttle.WithTimeout(timeout))
-	require.NoError(t, err)
-	lim, err := reserve.New(eng, "rv", limit, opts...)
-	require.NoError(t, err)
-	bg := context.Background()
-	redistest.UntilOK(t, func() error { return lim.Pause(bg, "rv-probe", time.Millisecond) })
-	h.mu.Lock()
-	h.learn = true
-	h.mu.Unlock()
-	require.NoError(t, lim.Pause(bg, "rv-probe", time.Millisecond))
-	h.mu.Lock()
-	h.learn = false
-	sig := h.sig
-	h.mu.Unlock()
-	require.NotEmpty(t, sig)
-	_, err = lim.State(bg, "rv-probe")
-	require.NoError(t, err)
-	_, err = lim.Reserve(bg, "rv-probe2")
-	require.NoError(t, err)
-	return lim, h
-}
 
 // ------------------------------------ Q1: the budget after a local wait
 
@@ -107,15 +79,7 @@ func rv4Unstored(t *testing.T, hold bool, I time.Duration, ctxFor func() (contex
 		httplimit.WithPauseTimeout(1200*time.Millisecond),
 		httplimit.WithPauseErrorHandler(func(*http.Request, time.Duration, error) { perr.Add(1) }))
 	require.NoError(t, err)
-	rDone := make(chan struct{})
-	go func() {
-		defer close(rDone)
-		resp, err := tr.RoundTrip(rvReq(t, bg, up.URL, "R", nil))
-		if err != nil {
-			t.Errorf("R: %v", err)
-		}
-		rvDrain(resp)
-	}()
+	rDone := rvGo(t, bg, tr, up.URL, "R")
 	<-in
 	ctx, cancel := ctxFor()
 	defer cancel()
@@ -249,13 +213,7 @@ func TestReviewHTTP4WaitBeforePauseCounts(t *testing.T) {
 			sent := rvNewSent(up.client)
 			tr, err := httplimit.New(lim, httplimit.WithBase(sent), httplimit.WithKey(rv4Key))
 			require.NoError(t, err)
-			rDone := make(chan struct{})
-			go func() {
-				defer close(rDone)
-				resp, err := tr.RoundTrip(rvReq(t, bg, up.URL, "R", nil))
-				require.NoError(t, err)
-				rvDrain(resp)
-			}()
+			rDone := rvGo(t, bg, tr, up.URL, "R")
 			<-gotR
 			start := time.Now()
 			resp, err := tr.RoundTrip(rvReq(t, bg, up.URL, "W", nil))
@@ -397,7 +355,7 @@ func TestReviewHTTP4FallbackSharedByViews(t *testing.T) {
 	bg := context.Background()
 	srv := redistest.Shared(t)
 	p := redistest.NewProxy(t, srv.Addr)
-	lim, _ := rv4Setup(t, p.Client(t, srv), redistest.Prefix(t), 250*time.Millisecond, throttle.Every(300*time.Millisecond, 1, 0),
+	lim, _ := rvSetupOn(t, p.Client(t, srv), redistest.Prefix(t), 250*time.Millisecond, throttle.Every(300*time.Millisecond, 1, 0),
 		reserve.WithLimit(throttle.Every(2*time.Second, 5, 0)), reserve.WithMaxWait(3*time.Second), reserve.WithFallback(reserve.FailOpen()))
 	up := rvNewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
 		if r.Header.Get("X-RV-ID") == "R" {
@@ -501,7 +459,7 @@ func TestReviewHTTP4Stress(t *testing.T) {
 	srv := redistest.Shared(t)
 	p := redistest.NewProxy(t, srv.Addr)
 	limit := throttle.PerSecond(20, 4)
-	lim, h := rv4Setup(t, p.Client(t, srv), redistest.Prefix(t), 2*time.Second, limit, reserve.WithMaxWait(3*time.Second))
+	lim, h := rvSetupOn(t, p.Client(t, srv), redistest.Prefix(t), 2*time.Second, limit, reserve.WithMaxWait(3*time.Second))
 	var stores atomic.Int32
 	h.setPause(func(_ context.Context, s string) error {
 		if s == "k" && stores.Add(1)%2 == 1 {

@@ -256,7 +256,7 @@ func TestReviewHTTP5StressTransports(t *testing.T) {
 	}
 	var trs []*trx
 	for i := 0; i < 3; i++ {
-		lim, h := rv4Setup(t, p.Client(t, srv), prefix, 2*time.Second, limit, reserve.WithMaxWait(3*time.Second))
+		lim, h := rvSetupOn(t, p.Client(t, srv), prefix, 2*time.Second, limit, reserve.WithMaxWait(3*time.Second))
 		h.setPause(func(_ context.Context, s string) error {
 			if s == "k" && stores.Add(1)%2 == 1 {
 				return errRV5
