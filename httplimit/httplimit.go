@@ -39,8 +39,9 @@
 //     the pause's end as their retry-after) when it ends beyond their
 //     max wait or deadline. A request's max wait counts from when
 //     RoundTrip began, through its waits for pauses and its bookings
-//     again. Those waiting in other processes go at their slots (at most one per caller waiting
-//     there at the time), unless WithPauseCheck is on: then a request that
+//     again. Those waiting in other processes go at their slots (at most
+//     one per caller waiting there at the time), unless WithPauseCheck is
+//     on: then a request that
 //     had to wait for its slot reads the key's pause (one more Redis call)
 //     before it is sent, and books again behind a pause any process stored
 //     meanwhile.
@@ -311,14 +312,9 @@ func (t *Transport) acquire(ctx context.Context, key string) error {
 		if err != nil {
 			return err
 		}
-		var r *reserve.Reservation
-		if mw, ok := t.maxWaitLeft(time.Since(start)); ok {
-			// The max wait counts from the request's start, its waits
-			// for pauses and its earlier slots included.
-			r, err = t.lim.ReserveWithin(ctx, key, 1, mw)
-		} else {
-			r, err = t.lim.Reserve(ctx, key)
-		}
+		// The max wait counts from the request's start, its waits for
+		// pauses and its earlier slots included.
+		r, err := t.lim.ReserveWithin(ctx, key, 1, t.maxWaitLeft(time.Since(start)))
 		if err != nil {
 			return err
 		}
@@ -409,7 +405,7 @@ func (t *Transport) heed(ctx context.Context, key string, start time.Time) (aske
 			return now, nil // under mu: a pause remembered later is learnt after now
 		}
 		t.mu.Unlock()
-		limit, _ := t.maxWaitLeft(now.Sub(start))
+		limit := t.maxWaitLeft(now.Sub(start))
 		if budget, bound := deadline.Budget(ctx, now, limit, t.lim.WorkEstimate()); p.until.Sub(now) > budget {
 			if budget < 0 { // no time for the work at all: no retry-after, as the limiter's
 				return time.Time{}, deadline.Refuse(bound, budget, 0)
@@ -447,14 +443,13 @@ func (t *Transport) heed(ctx context.Context, key string, start time.Time) (aske
 }
 
 // maxWaitLeft returns what is left of the limiter's max wait to a request
-// that has spent local waiting out pauses here (deadline.NoCap and false
-// if the limiter has none).
-func (t *Transport) maxWaitLeft(local time.Duration) (time.Duration, bool) {
+// that began spent ago (deadline.NoCap if the limiter has none).
+func (t *Transport) maxWaitLeft(spent time.Duration) time.Duration {
 	mw, ok := t.lim.MaxWait()
 	if !ok {
-		return deadline.NoCap, false
+		return deadline.NoCap
 	}
-	return max(mw-local, 0), true
+	return max(mw-spent, 0)
 }
 
 // lostPause reports whether a slot that came now lies inside a pause of
