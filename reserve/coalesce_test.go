@@ -37,10 +37,14 @@ func TestCoalescingBooksEveryCaller(t *testing.T) {
 		wg    sync.WaitGroup
 	)
 	before := e.calls.Load()
+	// All start together: on a busy machine the first goroutines could
+	// otherwise make their calls before the last exist, each alone.
+	start := make(chan struct{})
 	for g := 0; g < goroutines; g++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			<-start
 			for i := 0; i < each; i++ {
 				r, err := l.Reserve(ctx, "k")
 				if err != nil || !r.OK() {
@@ -53,6 +57,7 @@ func TestCoalescingBooksEveryCaller(t *testing.T) {
 			}
 		}()
 	}
+	close(start)
 	wg.Wait()
 	calls := e.calls.Load() - before
 	slices.Sort(waits)
