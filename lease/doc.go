@@ -31,10 +31,14 @@
 // served in arrival order across every process: a release hands its lease
 // to the head of the queue inside the same script, so no waiter has to
 // ask again. The grant wakes the waiter's process through a per-process
-// list of the key, on which the process's keeper blocks (BLPOP), one
-// blocked connection per process and key with waiters, not one per
-// waiter; a grant to a waiter of the calling process comes back in the
-// reply itself. A list was chosen over pub/sub because a pushed wake-up
+// list of the key, on which the process blocks (BLPOP); a grant to a
+// waiter of the calling process comes back in the reply itself. On a
+// single Redis node (a redis.Client) one blocking read names the lists of
+// every key the process has waiters for: one blocked connection per
+// process, however many keys it waits on. On a Cluster or a Ring, where
+// two keys' lists may live on two nodes, each key's keeper blocks on its
+// own list: one blocked connection per process and key with waiters. In
+// either case it is not one per waiter. A list was chosen over pub/sub because a pushed wake-up
 // waits in the list until it is read, so a wake-up sent while its reader
 // was between two reads is not lost; BLPOP on a hash-tagged key is routed
 // to the key's node of a Redis Cluster like any command (pub/sub needs a
@@ -60,23 +64,31 @@
 //
 // Acquire without contention is one Redis call, Release one. A waiter
 // adds the blocking read that wakes it, shared with its process's other
-// waiters of the key, and the polls while it waits. Extensions are one
-// call per process and key every TTL/3, however many leases it holds.
-// The blocking read takes a connection of the client's pool for up to a
-// second at a time, for each key the process has waiters for, through the
-// engine's gate (throttle.Engine.HoldConn): blocking reads hold at most
-// half the pool, so that they never starve the calls that grant, release
-// and extend leases. A key that finds no connection to spare is served by
-// the poll alone: a grant by another process reaches its waiter within a
-// poll interval. Size the client's PoolSize above twice the keys a
-// process waits on at once for every wake-up to be immediate.
+// waiters, and the polls while it waits. Extensions are one call per
+// process and key every TTL/3, however many leases it holds.
+//
+// A blocking read takes a connection of the client's pool for up to a
+// second at a time through the engine's gate (throttle.Engine.HoldConn):
+// blocking reads hold at most half the pool, so that they never starve
+// the calls that grant, release and extend leases. On a single node the
+// process's one read takes one connection; a key that begins waiting
+// while the read is out, and is not named in it, ends it with one call
+// (a push to a list of the process's own), so that the next read names
+// it. One read names at most 512 keys: a process waiting on more at once
+// has each read name a random choice of them. On a Cluster or a Ring
+// each key with waiters takes a connection of its node, and a key that
+// finds none to spare is served by the poll alone: a grant by another
+// process reaches its waiter within a poll interval. There, size the
+// client's PoolSize above twice the keys a process waits on at once for
+// every wake-up to be immediate.
 //
 // # Keys
 //
 // For subject key under name, the keys are name:{key}:lease:h (holders
 // scored by expiry), :t (tokens), :q (queue), :w (waiters by expiry),
 // :n:<process> (wake-up lists) and :c (the counter of arrivals and
-// tokens), under the engine's prefix. They share the hash tag {key}, the
+// tokens), under the engine's prefix; on a single node, name:lease:wake:
+// <process> is the list that ends a process's blocking read early. They share the hash tag {key}, the
 // rate keys' tag, so a Redis Cluster holds them on one node, and all but
 // the counter expire when the subject is idle. The counter is kept so
 // that tokens stay monotonic; it is one small integer per subject ever

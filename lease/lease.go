@@ -76,16 +76,22 @@ const maxSubject = throttle.MaxKeyLen - 64
 // A Semaphore is safe for concurrent use. Build one with New and stop it
 // with Close; the zero Semaphore is not usable.
 type Semaphore struct {
-	eng    *throttle.Engine
-	name   string
-	n      int
-	ttl    time.Duration
-	poll   time.Duration
-	obs    Observer
-	proc   string  // this Semaphore's id in Redis: lease ids are proc.n
-	blpop  blocker // nil: no blocking wait, the poll alone finds grants
-	quit   chan struct{}
-	keeper sync.WaitGroup // the rooms' keepers
+	eng   *throttle.Engine
+	name  string
+	n     int
+	ttl   time.Duration
+	poll  time.Duration
+	obs   Observer
+	proc  string  // this Semaphore's id in Redis: lease ids are proc.n
+	blpop blocker // nil: no blocking wait, the poll alone finds grants
+	// waker, on a single node, reads the wake-up lists of every key in one
+	// blocking read; nil on a Cluster or a Ring, where each room's keeper
+	// reads its own.
+	waker *waker
+	// maxBlock bounds one blocking read (see blockBound).
+	maxBlock time.Duration
+	quit     chan struct{}
+	keeper   sync.WaitGroup // the rooms' keepers
 
 	mu     sync.Mutex       // guards the fields below, and every room and Lease
 	rooms  map[string]*room // by key: the keys this process holds or waits for
@@ -183,6 +189,10 @@ func New(eng *throttle.Engine, name string, n int, opts ...Option) (*Semaphore, 
 		return nil, fmt.Errorf("%w: poll interval %v longer than TTL/3 = %v", ErrInvalid, s.poll, s.ttl/3)
 	}
 	s.blpop, _ = eng.Client().(blocker)
+	s.maxBlock = blockBound(eng.Client())
+	if _, single := eng.Client().(*redis.Client); single {
+		s.waker = newWaker(name, s.proc)
+	}
 	return s, nil
 }
 
@@ -460,9 +470,8 @@ func (s *Semaphore) handOut(ctx context.Context, l *Lease, start time.Time) (*Le
 // Close stops the semaphore: waiting Acquire callers get ErrClosed (and
 // leave the queue), held leases are released (their Lost is closed, and
 // their Release is then a no-op) and no longer extended, and Close waits
-// for the
-// goroutines that extend leases and wake waiters, or for ctx to end. It
-// returns the first error of a release. Close is idempotent.
+// for the goroutines that extend leases and wake waiters, or for ctx to
+// end. It returns the errors of the releases. Close is idempotent.
 func (s *Semaphore) Close(ctx context.Context) error {
 	s.mu.Lock()
 	if !s.closed {
@@ -476,18 +485,33 @@ func (s *Semaphore) Close(ctx context.Context) error {
 			held = append(held, l)
 		}
 		if r.blocking {
-			blocked = append(blocked, r.key)
+			blocked = append(blocked, s.wakeList(r.key))
 		}
+	}
+	if s.waker != nil && s.waker.lists != nil {
+		blocked = append(blocked, s.waker.ctl)
 	}
 	s.mu.Unlock()
-	s.wakeBlocked(ctx, blocked)
-	var errs []error
+	// The releases and the wake-ups go out side by side: one after
+	// another, on a slow link, the last leases could lapse unextended
+	// before their release went out, and stand in Redis until their TTL.
+	var (
+		wg   sync.WaitGroup
+		emu  sync.Mutex
+		errs []error
+	)
+	wg.Go(func() { s.pushWakes(ctx, blocked) })
 	for _, l := range held {
-		if err := l.Release(ctx); err != nil && !errors.Is(err, ErrLost) {
-			errs = append(errs, err)
-		}
-		s.markLost(l) // the holder should stop: the lease is given back
+		wg.Go(func() {
+			if err := l.Release(ctx); err != nil && !errors.Is(err, ErrLost) {
+				emu.Lock()
+				errs = append(errs, err)
+				emu.Unlock()
+			}
+			s.markLost(l) // the holder should stop: the lease is given back
+		})
 	}
+	wg.Wait()
 	stopped := make(chan struct{})
 	go func() { s.keeper.Wait(); close(stopped) }()
 	select {
@@ -517,6 +541,11 @@ type grant struct {
 	// Zero for a grant read from a wake-up list, which says nothing of
 	// when it was made.
 	by time.Time
+	// waked marks a wake-up read by the waker, and before is then a time
+	// before which it was not granted: its waiter's since when the read
+	// was sent, or, zero, its waiter's entered (see wakeLoop).
+	waked  bool
+	before time.Time
 }
 
 // run runs script for key with the common arguments, then id-specific
@@ -566,7 +595,7 @@ func parse(raw any, sent time.Time) (reply, error) {
 		if !ok1 || !ok2 || !ok3 {
 			return reply{}, fmt.Errorf("unexpected grant %T %T %T", gs[i], gs[i+1], gs[i+2])
 		}
-		r.grants = append(r.grants, grant{id, token, sent.Add(time.Duration(left) * time.Microsecond)})
+		r.grants = append(r.grants, grant{id: id, token: token, by: sent.Add(time.Duration(left) * time.Microsecond)})
 	}
 	ex, ok := arr[3].([]any)
 	if !ok {

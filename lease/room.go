@@ -26,6 +26,10 @@ type room struct {
 	// one back in the queue), with the time after which Redis has dropped
 	// them anyway; the keeper sends their leave calls (sendLeaves).
 	leaving map[string]time.Time
+	// check asks the keeper for a keep call at once: the waker read a
+	// wake-up too old to time its lease by (see deliver), and the keep
+	// call reports the grant with the time Redis has left on it.
+	check bool
 }
 
 // A waiter is one Acquire call. A grant moves it from its room's waiters to
@@ -42,7 +46,9 @@ type waiter struct {
 	// of an earlier grant that lapsed unread cannot be read after such a
 	// call: the sweep that drops the lapsed lease, which runs before the
 	// call finds the waiter not granted, takes its wake-up off the list.)
-	since time.Time
+	// The waker's reads run beside the keeper's calls: see wakeLoop.
+	since   time.Time
+	entered time.Time // since's first value: when Acquire began
 }
 
 // enter registers a new waiter for key, creating the key's room (and
@@ -55,7 +61,8 @@ func (s *Semaphore) enter(key string) (*waiter, error) {
 	}
 	r := s.roomLocked(key)
 	s.seq++
-	w := &waiter{id: s.proc + "." + strconv.FormatUint(s.seq, 36), grant: make(chan *Lease, 1), since: time.Now()}
+	now := time.Now()
+	w := &waiter{id: s.proc + "." + strconv.FormatUint(s.seq, 36), grant: make(chan *Lease, 1), since: now, entered: now}
 	r.waiters[w.id] = w
 	s.obs.ObserveWaiting(s.name, 1)
 	return w, nil
@@ -120,13 +127,34 @@ func (s *Semaphore) deliver(key string, gs []grant) {
 		if w == nil {
 			continue // given up, or delivered already
 		}
-		delete(r.waiters, g.id)
 		// Granted after w.since, so held until w.since plus the TTL at
 		// least; a grant reported with its time left may be held longer.
-		held := w.since.Add(s.ttl)
+		after := w.since
+		if g.waked {
+			after = w.entered
+			if !g.before.IsZero() {
+				after = g.before
+			}
+		}
+		held := after.Add(s.ttl)
 		if g.by.After(held) {
 			held = g.by
 		}
+		if g.waked && time.Until(s.lostBy(held)) < s.ttl/3 {
+			// All a wake-up of the waker's tells of its grant's time is
+			// that it came after its waiter's since when the read was
+			// made, which may be long before: the keep call asked for
+			// here reports the time Redis has left on it (and whether it
+			// has lapsed) instead, so that the lease is not given up
+			// while Redis holds it.
+			r.check = true
+			select {
+			case r.wake <- struct{}{}:
+			default:
+			}
+			continue
+		}
+		delete(r.waiters, g.id)
 		l := &Lease{sem: s, key: key, id: g.id, token: g.token, lost: make(chan struct{}), deadline: s.lostBy(held)}
 		l.timer = time.AfterFunc(time.Until(l.deadline), func() { s.lapse(l) })
 		l.fresh = time.Until(l.deadline) < 2*s.ttl/3
@@ -234,7 +262,7 @@ func (s *Semaphore) keep(r *room) {
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	last := time.Now()
-	wakeList := s.eng.Prefix() + s.keys(r.key)[5] + s.proc
+	wakeList := s.eng.Prefix() + s.wakeList(r.key)
 	for {
 		s.mu.Lock()
 		if len(r.waiters) == 0 && len(r.holds) == 0 && len(r.leaving) == 0 {
@@ -242,16 +270,21 @@ func (s *Semaphore) keep(r *room) {
 			s.mu.Unlock()
 			return
 		}
-		fresh := false
+		fresh := r.check
+		r.check = false
 		for _, l := range r.holds {
 			fresh = fresh || l.fresh
 		}
 		waiting := r.waitingLocked()
-		r.blocking = waiting && s.blpop != nil && !s.closed && !fresh
+		r.blocking = waiting && s.blpop != nil && s.waker == nil && !s.closed && !fresh
 		block := r.blocking
 		leaving, closed := len(r.leaving) > 0, s.closed
+		kick := waiting && s.waker != nil && !closed && s.wakerNeedLocked(r)
 		s.mu.Unlock()
 
+		if kick {
+			s.kick()
+		}
 		if leaving && closed {
 			s.sendLeaves(r) // once
 			continue
@@ -302,27 +335,49 @@ func (s *Semaphore) keep(r *room) {
 	}
 }
 
-// wakeBlocked ends the blocking reads of the keepers that block on a
-// wake-up list (at Close), with an empty wake-up each.
-func (s *Semaphore) wakeBlocked(ctx context.Context, keys []string) {
-	for _, key := range keys {
+// pushWakes ends the blocking reads of lists (engine keys) with an empty
+// wake-up each: the keepers' at Close, the waker's at Close or when a key
+// it does not read begins waiting.
+func (s *Semaphore) pushWakes(ctx context.Context, lists []string) {
+	for _, list := range lists {
 		ctx, cancel := s.detach(ctx)
-		_, _ = s.eng.RunScript(ctx, wakeScript, []string{s.keys(key)[5] + s.proc}, s.ttl.Milliseconds()+1000)
+		_, _ = s.eng.RunScript(ctx, wakeScript, []string{list}, s.ttl.Milliseconds()+1000)
 		cancel()
 	}
 }
 
-// maxBlock bounds one blocking read of the wake-up list: well inside the
-// go-redis clients' default ReadTimeout (3 s), which bounds it too.
+// maxBlock bounds one blocking read of the wake-up lists: well inside the
+// go-redis clients' default ReadTimeout (5 s), which bounds it too.
 const maxBlock = time.Second
 
-// block waits up to d (at most maxBlock) for a wake-up on list and
+// blockBound returns how long one blocking read may last on client c:
+// maxBlock, or half the client's ReadTimeout where that is shorter than
+// two seconds. A read the client gives up on before Redis answers it
+// costs its connection (go-redis closes it, and may send the read again
+// first), and leaves the wake-ups waiting.
+func blockBound(c any) time.Duration {
+	var rt time.Duration
+	switch c := c.(type) {
+	case *redis.Client:
+		rt = c.Options().ReadTimeout
+	case *redis.ClusterClient:
+		rt = c.Options().ReadTimeout
+	case *redis.Ring:
+		rt = c.Options().ReadTimeout
+	}
+	if rt > 0 && rt < 2*maxBlock {
+		return max(rt/2, 10*time.Millisecond)
+	}
+	return maxBlock
+}
+
+// block waits up to d (at most s.maxBlock) for a wake-up on list and
 // delivers it. It returns false, at once, if the engine has no connection
 // to spare for a blocking read (see throttle.Engine.HoldConn: they may
 // hold half the client's pool), so that they never starve the calls that
 // grant and extend leases; the keeper then finds grants by polling.
 func (s *Semaphore) block(list, key string, d time.Duration) bool {
-	d = min(max(d, 10*time.Millisecond), maxBlock) // BLPOP's 0 is forever
+	d = min(max(d, 10*time.Millisecond), s.maxBlock) // BLPOP's 0 is forever
 	ctx, cancel := context.WithTimeout(context.Background(), d+time.Second+4*s.eng.Timeout())
 	defer cancel()
 	release, ok := s.eng.HoldConn(ctx, s.keys(key)[5]+s.proc)

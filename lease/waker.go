@@ -1,0 +1,178 @@
+package lease
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// A waker is a Semaphore's one blocking read of the wake-up lists of every
+// key it has waiters for, on a single Redis node (a redis.Client), where
+// one BLPOP can name them all: one connection per process, however many
+// keys it waits on. (On a Cluster or a Ring the lists of two keys may live
+// on two nodes, and each room's keeper blocks on its own list.) Every field
+// is guarded by the Semaphore's mu.
+type waker struct {
+	running bool // its goroutine runs; it ends when no room waits
+	// lists, while a read is being made (from choosing its lists until its
+	// reply is read), holds its lists (with the engine's prefix) and the
+	// key of each; nil otherwise.
+	lists  map[string]string
+	kicked bool          // a kick was sent for the read being made
+	poke   chan struct{} // cap 1: a room waits, for a waker between two reads
+	ctl    string        // its own list (engine key), on which kicks end a read
+	max    int           // maxWakeLists (less in tests)
+}
+
+// maxWakeLists bounds the lists one read names, and so what each read
+// costs Redis (a lookup per list, and its name sent). A process waiting
+// on more keys at once has its reads name a random choice of them each
+// time; the others' wake-ups wait in their lists for a read that names
+// them, and their keepers' polls find their grants meanwhile.
+const maxWakeLists = 512
+
+// newWaker returns the waker of a Semaphore whose process id is proc.
+func newWaker(name, proc string) *waker {
+	// The subject keys all hold a "{": this one cannot be one of them.
+	return &waker{poke: make(chan struct{}, 1), ctl: name + ":lease:wake:" + proc, max: maxWakeLists}
+}
+
+// wakerNeedLocked is called by r's keeper while r has waiters in the
+// queue: it starts the waker if none runs, and reports whether the read
+// being made leaves r's list out, so that the keeper kicks it (one call)
+// to make a read that names it. s.mu is held, and s is not closed.
+func (s *Semaphore) wakerNeedLocked(r *room) (kick bool) {
+	m := s.waker
+	switch {
+	case !m.running:
+		m.running = true
+		s.keeper.Add(1)
+		go s.wakeLoop()
+	case m.lists == nil:
+		select { // between two reads: the next one names r's list
+		case m.poke <- struct{}{}:
+		default:
+		}
+	case !m.kicked && len(m.lists) < m.max:
+		if _, ok := m.lists[s.eng.Prefix()+s.wakeList(r.key)]; !ok {
+			m.kicked = true
+			return true
+		}
+	}
+	return false
+}
+
+// wakeList returns the engine key of the process's wake-up list for key.
+func (s *Semaphore) wakeList(key string) string { return s.keys(key)[5] + s.proc }
+
+// wakeLoop is the waker's goroutine: it reads the wake-up lists of the
+// keys with waiters, one BLPOP at a time, until none has any (or the
+// Semaphore is closed).
+//
+// Its reads run beside the keepers' calls, so a wake-up it pops may be
+// read after a keep call that ran later in Redis: one that swept the
+// grant as lapsed (the wake-up read between the lapse and the sweep) and
+// found the waiter not granted, setting its since after the grant. A
+// lease delivered from the wake-up is therefore timed from its waiter's
+// since as it was when the read was made, which a call that ran before
+// the read set (a waiter that came later: from when it entered); where
+// that leaves the lease too little time, deliver asks the keeper for a
+// keep call instead, which reports the time Redis has left on it.
+func (s *Semaphore) wakeLoop() {
+	defer s.keeper.Done()
+	m := s.waker
+	for {
+		s.mu.Lock()
+		lists := make(map[string]string)
+		since := make(map[string]time.Time)
+		for key, r := range s.rooms { // in random order: see maxWakeLists
+			if len(lists) == m.max {
+				break
+			}
+			if r.waitingLocked() {
+				lists[s.eng.Prefix()+s.wakeList(key)] = key
+				for id, w := range r.waiters {
+					since[id] = w.since
+				}
+			}
+		}
+		if len(lists) == 0 || s.closed {
+			m.running = false
+			s.mu.Unlock()
+			return
+		}
+		m.lists, m.kicked = lists, false
+		s.mu.Unlock()
+
+		read := s.readWakes(lists, since)
+
+		s.mu.Lock()
+		m.lists = nil
+		s.mu.Unlock()
+		if !read {
+			// No connection to spare for it: the keepers' polls find the
+			// grants until the next try.
+			select {
+			case <-time.After(min(s.poll, maxBlock)):
+			case <-m.poke:
+			case <-s.quit:
+			}
+		}
+	}
+}
+
+// readWakes makes one blocking read of lists (and of the waker's own list)
+// for up to a poll interval (and s.maxBlock), and delivers the wake-up it
+// pops, timed from since (by waiter id; see wakeLoop). It returns false,
+// at once, if the engine has no connection to spare for it (see block).
+func (s *Semaphore) readWakes(lists map[string]string, since map[string]time.Time) bool {
+	// As a keeper's read lasts until its next poll: a read's wake-up
+	// times its lease by since, which is older the longer the read.
+	d := max(min(s.maxBlock, s.poll), 10*time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), d+time.Second+4*s.eng.Timeout())
+	defer cancel()
+	release, ok := s.eng.HoldConn(ctx, s.waker.ctl)
+	if !ok {
+		return false
+	}
+	args := make([]any, 0, len(lists)+3)
+	args = append(args, "blpop")
+	for list := range lists {
+		args = append(args, list)
+	}
+	// Its own list last: BLPOP pops from the first list that holds
+	// anything, so a wake-up goes before a kick.
+	args = append(args, s.eng.Prefix()+s.waker.ctl, strconv.FormatFloat(d.Seconds(), 'f', 3, 64))
+	cmd := redis.NewStringSliceCmd(ctx, args...)
+	_ = s.blpop.Process(ctx, cmd)
+	release()
+	vals, err := cmd.Result()
+	switch {
+	case errors.Is(err, redis.Nil): // timed out: read again
+	case err != nil:
+		// Redis unreachable: wait a while rather than spin; the keepers'
+		// keep calls report it.
+		select {
+		case <-time.After(maxBlock):
+		case <-s.quit:
+		}
+	case len(vals) == 2:
+		if key, ok := lists[vals[0]]; ok {
+			if g, ok := parseWake(vals[1]); ok {
+				g.waked, g.before = true, since[g.id]
+				s.deliver(key, []grant{g})
+			}
+		}
+	}
+	return true
+}
+
+// kick ends the waker's read in progress with an empty entry on its own
+// list, so that its next read names the lists of keys that began waiting
+// meanwhile.
+func (s *Semaphore) kick() {
+	s.pushWakes(context.Background(), []string{s.waker.ctl})
+}
