@@ -115,9 +115,11 @@ type Option func(*Semaphore) error
 // holder gives its lease up (Lost) when no extension has come back within
 // 9/10 of the TTL of the last successful one's sending, and a lease granted
 // by another process's call starts from its waiter's last refresh (up to
-// a poll interval, and a blocking read's lateness, earlier): keep the TTL
-// well above three round trips plus the poll interval, or leases are given
-// up while Redis holds them.
+// a poll interval, and a blocking read's lateness, earlier; on a single
+// node, from its refresh before the read, and a lease that would be left
+// under a third of the TTL that way waits for a keep call that tells how
+// long Redis holds it): keep the TTL well above three round trips plus
+// twice the poll interval, or leases are given up while Redis holds them.
 func WithTTL(d time.Duration) Option {
 	return func(s *Semaphore) error {
 		if d < MinTTL {
