@@ -68,9 +68,11 @@
 // process and key every TTL/3, however many leases it holds.
 //
 // A blocking read takes a connection of the client's pool for up to a
-// second at a time through the engine's gate (throttle.Engine.HoldConn):
-// blocking reads hold at most half the pool, so that they never starve
-// the calls that grant, release and extend leases. On a single node the
+// poll interval at a time (at most a second, or half the client's
+// ReadTimeout where that is less) through the engine's gate
+// (throttle.Engine.HoldConn): blocking reads hold at most half the pool,
+// so that they never starve the calls that grant, release and extend
+// leases. On a single node the
 // process's one read takes one connection; a key that begins waiting
 // while the read is out, and is not named in it, ends it with one call
 // (a push to a list of the process's own), so that the next read names
