@@ -213,6 +213,27 @@ func TestGrantInReplyCountsFromItsCall(t *testing.T) {
 	require.NoError(t, r.l.Release(ctx))
 }
 
+// acquired is an Acquire's answer.
+type acquired struct {
+	l   *lease.Lease
+	err error
+}
+
+// queueAThenB has b take key k's one lease, then a waiter of a's and one
+// of b's join k's queue, in that order; their answers come on gotA and
+// gotB.
+func queueAThenB(t *testing.T, e *env, ctx context.Context, a, b *lease.Semaphore) (l1 *lease.Lease, gotA, gotB chan acquired) {
+	t.Helper()
+	l1, err := b.Acquire(ctx, "k")
+	require.NoError(t, err)
+	gotA, gotB = make(chan acquired, 1), make(chan acquired, 1)
+	go func() { l, err := a.Acquire(ctx, "k"); gotA <- acquired{l, err} }()
+	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 1 })
+	go func() { l, err := b.Acquire(ctx, "k"); gotB <- acquired{l, err} }()
+	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 2 })
+	return l1, gotA, gotB
+}
+
 // TestStaleWakeUpNotDelivered: a grant whose wake-up its process did not
 // read before the lease lapsed (its keeper sat in a keep call whose reply
 // was slow) must not be handed out later, when the waiter has joined the
@@ -266,18 +287,7 @@ func testStaleWakeUpNotDelivered(t *testing.T, ring bool) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 
-	l1, err := b.Acquire(ctx, "k")
-	require.NoError(t, err)
-	type result struct {
-		l   *lease.Lease
-		err error
-	}
-	gotA := make(chan result, 1)
-	go func() { l, err := a.Acquire(ctx, "k"); gotA <- result{l, err} }()
-	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 1 })
-	gotB := make(chan result, 1)
-	go func() { l, err := b.Acquire(ctx, "k"); gotB <- result{l, err} }()
-	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 2 })
+	l1, gotA, gotB := queueAThenB(t, e, ctx, a, b)
 
 	slow := func() {
 		require.NoError(t, l1.Release(ctx)) // grants A's waiter, at the head of the queue

@@ -287,18 +287,7 @@ func TestWakerStaleReadNotDelivered(t *testing.T) {
 	a := rvSem(t, engA, 1, opts...)
 	b := rvSem(t, e.eng, 1, opts...)
 
-	l1, err := b.Acquire(ctx, "k")
-	require.NoError(t, err)
-	type result struct {
-		l   *lease.Lease
-		err error
-	}
-	gotA := make(chan result, 1)
-	go func() { l, err := a.Acquire(ctx, "k"); gotA <- result{l, err} }()
-	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 1 })
-	gotB := make(chan result, 1)
-	go func() { l, err := b.Acquire(ctx, "k"); gotB <- result{l, err} }()
-	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 2 })
+	l1, gotA, gotB := queueAThenB(t, e, ctx, a, b)
 	time.Sleep(200 * time.Millisecond) // A's waker reads {k}'s list
 
 	slowRead := func() { time.Sleep(ttl * 5 / 2) }
@@ -310,7 +299,7 @@ func TestWakerStaleReadNotDelivered(t *testing.T) {
 	keepArmed.Store(&slowKeep)
 
 	// checkA judges A's answer: ErrLost, or a lease Redis holds.
-	checkA := func(r result) {
+	checkA := func(r acquired) {
 		t.Helper()
 		if r.err != nil {
 			require.ErrorIs(t, r.err, lease.ErrLost)
