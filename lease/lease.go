@@ -201,7 +201,7 @@ func New(eng *throttle.Engine, name string, n int, opts ...Option) (*Semaphore, 
 // Load sends the semaphore's scripts to Redis, so that the first calls do
 // not pay for a NOSCRIPT round trip each. Calling it is optional.
 func (s *Semaphore) Load(ctx context.Context) error {
-	for _, sc := range []*throttle.Script{acquireScript, releaseScript, leaveScript, keepScript, wakeScript} {
+	for _, sc := range []*throttle.Script{acquireScript, releaseScript, leaveScript, keepScript, wakeScript, drainScript} {
 		if err := s.eng.LoadScript(ctx, sc); err != nil {
 			return fmt.Errorf("lease: load scripts: %w", err)
 		}

@@ -4,9 +4,12 @@ import (
 	"context"
 	"errors"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/slotbook/slotbook/throttle"
 )
 
 // A waker is a Semaphore's one blocking read of the wake-up lists of every
@@ -132,12 +135,17 @@ func (s *Semaphore) readWakes(lists map[string]string, since map[string]time.Tim
 	// As a keeper's read lasts until its next poll: a read's wake-up
 	// times its lease by since, which is older the longer the read.
 	d := max(min(s.maxBlock, s.poll), 10*time.Millisecond)
-	ctx, cancel := context.WithTimeout(context.Background(), d+time.Second+4*s.eng.Timeout())
-	defer cancel()
-	release, ok := s.eng.HoldConn(ctx, s.waker.ctl)
+	// The process's one read waits for a connection, queued with its
+	// calls, for up to as long as it would block: under a pool its calls
+	// keep busy, a read that gave up at once would never be made.
+	hctx, hcancel := context.WithTimeout(context.Background(), d)
+	release, ok := s.eng.HoldConnWait(hctx, s.waker.ctl)
+	hcancel()
 	if !ok {
 		return false
 	}
+	ctx, cancel := context.WithTimeout(context.Background(), d+time.Second+4*s.eng.Timeout())
+	defer cancel()
 	args := make([]any, 0, len(lists)+3)
 	args = append(args, "blpop")
 	for list := range lists {
@@ -160,14 +168,54 @@ func (s *Semaphore) readWakes(lists map[string]string, since map[string]time.Tim
 		case <-s.quit:
 		}
 	case len(vals) == 2:
-		if key, ok := lists[vals[0]]; ok {
-			if g, ok := parseWake(vals[1]); ok {
-				g.waked, g.before = true, since[g.id]
-				s.deliver(key, []grant{g})
+		s.deliverWake(lists[vals[0]], vals[1], since)
+		// Wake-ups come in bursts (a process releasing many keys): take
+		// the others the lists hold now in one call, rather than one read
+		// each, and any kicks piled up on the waker's own list.
+		names := make([]string, 0, len(lists)+1)
+		for list := range lists {
+			names = append(names, strings.TrimPrefix(list, s.eng.Prefix()))
+		}
+		names = append(names, s.waker.ctl)
+		dctx, dcancel := s.detach(context.Background())
+		raw, err := s.eng.RunScript(dctx, drainScript, names)
+		dcancel()
+		pairs, _ := raw.([]any)
+		for i := 0; err == nil && i+1 < len(pairs); i += 2 {
+			n, _ := pairs[i].(int64)
+			v, _ := pairs[i+1].(string)
+			if n >= 1 && int(n) < len(names) {
+				s.deliverWake(lists[s.eng.Prefix()+names[n-1]], v, since)
 			}
 		}
 	}
 	return true
+}
+
+// drainScript pops, without blocking, what the lists KEYS hold (up to 64
+// entries each), and answers {i, entry, ...}, i the list's place in KEYS
+// from 1.
+var drainScript = throttle.NewScript(`local out = {}
+for i = 1, #KEYS do
+  for _ = 1, 64 do
+    local v = redis.call('LPOP', KEYS[i])
+    if not v then break end
+    out[#out + 1] = i
+    out[#out + 1] = v
+  end
+end
+return out`)
+
+// deliverWake delivers wake-up v read from key's list (key "" for none),
+// timed from since (see wakeLoop).
+func (s *Semaphore) deliverWake(key, v string, since map[string]time.Time) {
+	if key == "" {
+		return // a kick
+	}
+	if g, ok := parseWake(v); ok {
+		g.waked, g.before = true, since[g.id]
+		s.deliver(key, []grant{g})
+	}
 }
 
 // kick ends the waker's read in progress with an empty entry on its own

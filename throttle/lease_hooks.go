@@ -47,6 +47,19 @@ func (e *Engine) RunScript(ctx context.Context, s *Script, keys []string, args .
 // held and ok is true. Call release after the command; calls after the
 // first do nothing.
 func (e *Engine) HoldConn(ctx context.Context, key string) (release func(), ok bool) {
+	return e.holdConn(ctx, key, false)
+}
+
+// HoldConnWait is HoldConn that, when every connection token of key's node
+// is taken, waits for one until ctx ends, queued with the engine's own
+// calls (ok is false then, and nothing is held). It still fails at once
+// while blocking commands hold half the node's tokens, or for a node it
+// cannot name.
+func (e *Engine) HoldConnWait(ctx context.Context, key string) (release func(), ok bool) {
+	return e.holdConn(ctx, key, true)
+}
+
+func (e *Engine) holdConn(ctx context.Context, key string, wait bool) (release func(), ok bool) {
 	if e.gates == nil {
 		if _, ring := e.rdb.(*redis.Ring); !ring {
 			return func() {}, true
@@ -65,9 +78,21 @@ func (e *Engine) HoldConn(ctx context.Context, key string) (release func(), ok b
 		ref.blocking.Add(-1)
 		return nil, false
 	}
-	select {
-	case ref.gate <- struct{}{}:
-	default:
+	got := false
+	if wait {
+		select {
+		case ref.gate <- struct{}{}:
+			got = true
+		case <-ctx.Done():
+		}
+	} else {
+		select {
+		case ref.gate <- struct{}{}:
+			got = true
+		default:
+		}
+	}
+	if !got {
 		ref.blocking.Add(-1)
 		return nil, false
 	}
