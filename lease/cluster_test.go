@@ -38,7 +38,7 @@ func TestCluster(t *testing.T) {
 	slots := map[int64]bool{}
 	for _, subj := range subjects {
 		var subjSlot int64 = -1
-		for _, part := range []string{"h", "t", "q", "w", "c", "n:x"} {
+		for _, part := range []string{"h", "t", "q", "w", "c", "n:x", "l"} {
 			slot, err := cc.ClusterKeySlot(ctx, eng.Prefix()+"partner:{"+subj+"}:lease:"+part).Result()
 			require.NoError(t, err)
 			if subjSlot >= 0 && slot != subjSlot {

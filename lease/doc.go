@@ -88,8 +88,10 @@
 //
 // For subject key under name, the keys are name:{key}:lease:h (holders
 // scored by expiry), :t (tokens), :q (queue), :w (waiters by expiry),
-// :n:<process> (wake-up lists) and :c (the counter of arrivals and
-// tokens), under the engine's prefix; on a single node, name:lease:wake:
+// :n:<process> (wake-up lists), :l (waiters that gave up, for a TTL, so
+// that an acquire or keep call their leave call overtook does not queue
+// them again) and :c (the counter of arrivals and tokens), under the
+// engine's prefix; on a single node, name:lease:wake:
 // <process> is the list that ends a process's blocking read early. They share the hash tag {key}, the
 // rate keys' tag, so a Redis Cluster holds them on one node, and all but
 // the counter expire when the subject is idle. The counter is kept so

@@ -239,7 +239,7 @@ func (s *Semaphore) CheckKey(key string) error {
 // rate keys, so that a Redis Cluster holds them on one node.
 func (s *Semaphore) keys(key string) []string {
 	base := s.name + ":{" + key + "}:lease:"
-	return []string{base + "h", base + "t", base + "q", base + "w", base + "c", base + "n:"}
+	return []string{base + "h", base + "t", base + "q", base + "w", base + "c", base + "n:", base + "l"}
 }
 
 // A Lease is one of a Semaphore's N places for a key, held until Release

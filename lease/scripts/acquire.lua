@@ -10,6 +10,9 @@ if held then -- granted already (a retry after a lost reply)
   granted(id, held)
   return finish(1)
 end
+if redis.call('ZSCORE', L, id) then -- gone: its leave call came first
+  return finish(0)
+end
 if ARGV[5] == 'try' then
   admit()
   if redis.call('ZCARD', Q) == 0 and redis.call('ZCARD', H) < limit then

@@ -11,13 +11,17 @@
 --      never expires, so tokens stay monotonic per subject.
 --   NB the prefix of the per-process wake-up lists: NB .. proc holds
 --      "id token" for each grant made for proc by another process's call.
+--   L  left: sorted set of the ids of waiters that gave up (leave.lua),
+--      scored by expiry (a TTL on): an acquire call of one that arrives
+--      after its leave call (both were in flight: the acquire's reply was
+--      lost) must not queue it again, for a lease nobody would hold.
 -- ARGV[1] the calling process's id (lease ids are proc .. '.' .. n)
 -- ARGV[2] N, the most leases held at once
 -- ARGV[3] TTL in microseconds (a lease, and a waiter, lives that long
 --         unless refreshed)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local H, T, Q, W, C, NB = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local H, T, Q, W, C, NB, L = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local proc = ARGV[1]
 local limit = tonumber(ARGV[2])
 local ttl = tonumber(ARGV[3])
@@ -49,6 +53,7 @@ local function sweep()
     redis.call('ZREM', W, id)
     redis.call('ZREM', Q, id)
   end
+  redis.call('ZREMRANGEBYSCORE', L, '-inf', fmt(now))
 end
 
 -- grant makes id a holder until now + ttl and returns its fencing token.
@@ -111,5 +116,6 @@ local function finish(status, extra)
   expireLike(T, H)
   expireLike(W, W)
   expireLike(Q, W)
+  expireLike(L, L)
   return {status, expired, mine, extra or {}}
 end

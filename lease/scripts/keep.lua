@@ -5,7 +5,8 @@
 -- Held leases are extended to now + ttl; those that have lapsed are
 -- returned in extra (lost). Waiters are refreshed; one that was granted
 -- (its wake-up lost or not yet read) is returned in mine; one that left
--- the queue because its refresh came late joins it again at the back.
+-- the queue because its refresh came late joins it again at the back; one
+-- that gave up (in L) is left alone.
 sweep()
 local h = tonumber(ARGV[4])
 local lost = {}
@@ -20,7 +21,10 @@ end
 for i = 5 + h, #ARGV do
   local id = ARGV[i]
   local token = redis.call('HGET', T, id)
-  if token then
+  if redis.call('ZSCORE', L, id) then
+    -- Gone: its leave call came first (this call was on its way). Not
+    -- queued again, so that it is not granted a lease nobody holds.
+  elseif token then
     granted(id, token)
     redis.call('LREM', NB .. proc, 0, id .. ' ' .. token)
   else

@@ -1,11 +1,14 @@
 -- leave.lua: ARGV[4] the id of a waiter that gives up. It leaves the
 -- queue; if it was granted meanwhile, the lease is given back (and its
 -- wake-up, if one was pushed, taken off the list), so that a waiter that
--- gave up never holds a lease. Status 1 if it had been granted.
+-- gave up never holds a lease; its id is kept in L for a TTL, so that
+-- its acquire call, if it comes later, does not queue it again. Status 1
+-- if it had been granted.
 sweep()
 local id = ARGV[4]
 redis.call('ZREM', Q, id)
 redis.call('ZREM', W, id)
+redis.call('ZADD', L, fmt(now + ttl), id)
 local token = redis.call('HGET', T, id)
 local was = redis.call('ZREM', H, id)
 redis.call('HDEL', T, id)
