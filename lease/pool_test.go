@@ -234,6 +234,17 @@ func queueAThenB(t *testing.T, e *env, ctx context.Context, a, b *lease.Semaphor
 	return l1, gotA, gotB
 }
 
+// releaseHeld checks that Redis holds l (found by its token), and
+// releases it.
+func releaseHeld(t *testing.T, e *env, ctx context.Context, l *lease.Lease) {
+	t.Helper()
+	left, err := e.redisLeft(ctx, l.Key())
+	require.NoError(t, err)
+	_, held := left[l.Token()]
+	require.True(t, held, "A was handed lease %d, which Redis does not hold (it holds %v)", l.Token(), left)
+	require.NoError(t, l.Release(ctx))
+}
+
 // TestStaleWakeUpNotDelivered: a grant whose wake-up its process did not
 // read before the lease lapsed (its keeper sat in a keep call whose reply
 // was slow) must not be handed out later, when the waiter has joined the
@@ -304,11 +315,7 @@ func testStaleWakeUpNotDelivered(t *testing.T, ring bool) {
 				t.Logf("A: %v", r.err) // a grant given up as late is the safe answer
 				return
 			}
-			left, err := e.redisLeft(ctx, "k")
-			require.NoError(t, err)
-			_, held := left[r.l.Token()]
-			require.True(t, held, "A was handed lease %d, which Redis does not hold (it holds %v)", r.l.Token(), left)
-			require.NoError(t, r.l.Release(ctx))
+			releaseHeld(t, e, ctx, r.l)
 			aDone = true
 		case r := <-gotB:
 			require.NoError(t, r.err)

@@ -306,11 +306,7 @@ func TestWakerStaleReadNotDelivered(t *testing.T) {
 			t.Logf("A: %v", r.err) // a grant given up as late is the safe answer
 			return
 		}
-		left, err := e.redisLeft(ctx, "k")
-		require.NoError(t, err)
-		_, held := left[r.l.Token()]
-		require.True(t, held, "A was handed lease %d, which Redis does not hold (it holds %v)", r.l.Token(), left)
-		require.NoError(t, r.l.Release(ctx))
+		releaseHeld(t, e, ctx, r.l)
 	}
 	select {
 	case r := <-gotA: // before B's waiter
