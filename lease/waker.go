@@ -169,6 +169,9 @@ func (s *Semaphore) readWakes(lists map[string]string, since map[string]time.Tim
 		}
 	case len(vals) == 2:
 		s.deliverWake(lists[vals[0]], vals[1], since)
+		if len(lists) < 2 {
+			break // one key's wake-ups: the next read pops the next
+		}
 		// Wake-ups come in bursts (a process releasing many keys): take
 		// the others the lists hold now in one call, rather than one read
 		// each, and any kicks piled up on the waker's own list.
