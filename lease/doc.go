@@ -68,8 +68,9 @@
 // process and key every TTL/3, however many leases it holds.
 //
 // A blocking read takes a connection of the client's pool for up to a
-// poll interval at a time (at most a second, or half the client's
-// ReadTimeout where that is less) through the engine's gate
+// poll interval at a time (at most a second; a second on a client whose
+// ReadTimeout is under two, through its own BLPop, which go-redis lets
+// outlast the ReadTimeout) through the engine's gate
 // (throttle.Engine.HoldConn): blocking reads hold at most half the pool,
 // so that they never starve the calls that grant, release and extend
 // leases. On a single node the

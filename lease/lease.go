@@ -88,10 +88,11 @@ type Semaphore struct {
 	// blocking read; nil on a Cluster or a Ring, where each room's keeper
 	// reads its own.
 	waker *waker
-	// maxBlock bounds one blocking read (see blockBound).
-	maxBlock time.Duration
-	quit     chan struct{}
-	keeper   sync.WaitGroup // the rooms' keepers
+	// typed, on a client whose ReadTimeout is short, is its own BLPop
+	// (see blpopCall); nil otherwise.
+	typed  typedBlocker
+	quit   chan struct{}
+	keeper sync.WaitGroup // the rooms' keepers
 
 	mu     sync.Mutex       // guards the fields below, and every room and Lease
 	rooms  map[string]*room // by key: the keys this process holds or waits for
@@ -191,7 +192,9 @@ func New(eng *throttle.Engine, name string, n int, opts ...Option) (*Semaphore, 
 		return nil, fmt.Errorf("%w: poll interval %v longer than TTL/3 = %v", ErrInvalid, s.poll, s.ttl/3)
 	}
 	s.blpop, _ = eng.Client().(blocker)
-	s.maxBlock = blockBound(eng.Client())
+	if shortReads(eng.Client()) {
+		s.typed, _ = eng.Client().(typedBlocker)
+	}
 	if _, single := eng.Client().(*redis.Client); single {
 		s.waker = newWaker(name, s.proc)
 	}

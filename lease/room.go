@@ -350,12 +350,10 @@ func (s *Semaphore) pushWakes(ctx context.Context, lists []string) {
 // go-redis clients' default ReadTimeout (5 s), which bounds it too.
 const maxBlock = time.Second
 
-// blockBound returns how long one blocking read may last on client c:
-// maxBlock, or half the client's ReadTimeout where that is shorter than
-// two seconds. A read the client gives up on before Redis answers it
-// costs its connection (go-redis closes it, and may send the read again
-// first), and leaves the wake-ups waiting.
-func blockBound(c any) time.Duration {
+// shortReads reports whether client c's ReadTimeout is shorter than two
+// blocking reads: then its reads go through the client's own BLPop (see
+// blpopCall).
+func shortReads(c any) bool {
 	var rt time.Duration
 	switch c := c.(type) {
 	case *redis.Client:
@@ -365,27 +363,52 @@ func blockBound(c any) time.Duration {
 	case *redis.Ring:
 		rt = c.Options().ReadTimeout
 	}
-	if rt > 0 && rt < 2*maxBlock {
-		return max(rt/2, 10*time.Millisecond)
-	}
-	return maxBlock
+	return rt > 0 && rt < 2*maxBlock
 }
 
-// block waits up to d (at most s.maxBlock) for a wake-up on list and
+// typedBlocker is the go-redis clients' own BLPop.
+type typedBlocker interface {
+	BLPop(ctx context.Context, timeout time.Duration, keys ...string) *redis.StringSliceCmd
+}
+
+// blpopCall sends one blocking read of lists (with the engine's prefix)
+// for d. A read the client gives up on before Redis answers it costs its
+// connection (go-redis closes it, and may send the read again first), and
+// leaves the wake-ups waiting; and Redis times blocked reads out only
+// every 100 ms or so. So on a client whose ReadTimeout is short, the read
+// goes through the client's own BLPop, which go-redis lets read for its
+// timeout and 10 s more whatever the ReadTimeout, and which rounds a
+// timeout under a second up to a second; elsewhere it is sent as it is,
+// for d to the millisecond.
+func (s *Semaphore) blpopCall(ctx context.Context, d time.Duration, lists []string) *redis.StringSliceCmd {
+	if s.typed != nil {
+		return s.typed.BLPop(ctx, d, lists...)
+	}
+	args := make([]any, 0, len(lists)+2)
+	args = append(args, "blpop")
+	for _, l := range lists {
+		args = append(args, l)
+	}
+	args = append(args, strconv.FormatFloat(d.Seconds(), 'f', 3, 64))
+	cmd := redis.NewStringSliceCmd(ctx, args...)
+	_ = s.blpop.Process(ctx, cmd)
+	return cmd
+}
+
+// block waits up to d (at most maxBlock) for a wake-up on list and
 // delivers it. It returns false, at once, if the engine has no connection
 // to spare for a blocking read (see throttle.Engine.HoldConn: they may
 // hold half the client's pool), so that they never starve the calls that
 // grant and extend leases; the keeper then finds grants by polling.
 func (s *Semaphore) block(list, key string, d time.Duration) bool {
-	d = min(max(d, 10*time.Millisecond), s.maxBlock) // BLPOP's 0 is forever
-	ctx, cancel := context.WithTimeout(context.Background(), d+time.Second+4*s.eng.Timeout())
+	d = min(max(d, 10*time.Millisecond), maxBlock) // BLPOP's 0 is forever
+	ctx, cancel := context.WithTimeout(context.Background(), max(d, time.Second)+time.Second+4*s.eng.Timeout())
 	defer cancel()
 	release, ok := s.eng.HoldConn(ctx, s.keys(key)[5]+s.proc)
 	if !ok {
 		return false
 	}
-	cmd := redis.NewStringSliceCmd(ctx, "blpop", list, strconv.FormatFloat(d.Seconds(), 'f', 3, 64))
-	_ = s.blpop.Process(ctx, cmd)
+	cmd := s.blpopCall(ctx, d, []string{list})
 	release()
 	vals, err := cmd.Result()
 	switch {

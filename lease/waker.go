@@ -3,7 +3,6 @@ package lease
 import (
 	"context"
 	"errors"
-	"strconv"
 	"strings"
 	"time"
 
@@ -128,13 +127,13 @@ func (s *Semaphore) wakeLoop() {
 }
 
 // readWakes makes one blocking read of lists (and of the waker's own list)
-// for up to a poll interval (and s.maxBlock), and delivers the wake-up it
+// for up to a poll interval (and maxBlock), and delivers the wake-up it
 // pops, timed from since (by waiter id; see wakeLoop). It returns false,
 // at once, if the engine has no connection to spare for it (see block).
 func (s *Semaphore) readWakes(lists map[string]string, since map[string]time.Time) bool {
 	// As a keeper's read lasts until its next poll: a read's wake-up
 	// times its lease by since, which is older the longer the read.
-	d := max(min(s.maxBlock, s.poll), 10*time.Millisecond)
+	d := max(min(maxBlock, s.poll), 10*time.Millisecond)
 	// The process's one read waits for a connection, queued with its
 	// calls, for up to as long as it would block: under a pool its calls
 	// keep busy, a read that gave up at once would never be made.
@@ -144,18 +143,16 @@ func (s *Semaphore) readWakes(lists map[string]string, since map[string]time.Tim
 	if !ok {
 		return false
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), d+time.Second+4*s.eng.Timeout())
+	ctx, cancel := context.WithTimeout(context.Background(), max(d, time.Second)+time.Second+4*s.eng.Timeout())
 	defer cancel()
-	args := make([]any, 0, len(lists)+3)
-	args = append(args, "blpop")
+	names := make([]string, 0, len(lists)+1)
 	for list := range lists {
-		args = append(args, list)
+		names = append(names, list)
 	}
 	// Its own list last: BLPOP pops from the first list that holds
 	// anything, so a wake-up goes before a kick.
-	args = append(args, s.eng.Prefix()+s.waker.ctl, strconv.FormatFloat(d.Seconds(), 'f', 3, 64))
-	cmd := redis.NewStringSliceCmd(ctx, args...)
-	_ = s.blpop.Process(ctx, cmd)
+	names = append(names, s.eng.Prefix()+s.waker.ctl)
+	cmd := s.blpopCall(ctx, d, names)
 	release()
 	vals, err := cmd.Result()
 	switch {
