@@ -13,7 +13,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/internal/redistest"
-	"github.com/slotbook/slotbook/lease"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -227,15 +226,17 @@ func TestFailedHandshakeNotSent(t *testing.T) {
 	})
 }
 
-// TestLeaseWaitersDoNotOpenBreaker: package lease blocks (BLPOP) on the
-// engine's own client for each key with a waiter. With as many waiting
-// keys as the pool has connections, the limiter's calls on the same client
-// wait for a connection: they may fail (the client is saturated, a pool
-// too small for its blocking work), as ErrUnavailable, without
-// ErrReplyLost unless the call had its turn just before its timeout and
-// was sent; and the healthy node's breaker never opens, so a fallback is
-// never handed the limit.
-func TestLeaseWaitersDoNotOpenBreaker(t *testing.T) {
+// TestBlockingCommandsDoNotOpenBreaker: blocking commands of the user's
+// own (BLPOP) on the engine's client hold every pooled connection. The
+// limiter's calls on the same client wait for a connection: they may fail
+// (the client is saturated, a pool too small for its blocking work), as
+// ErrUnavailable, without ErrReplyLost unless the call had its turn just
+// before its timeout and was sent; and the healthy node's breaker never
+// opens, so a fallback is never handed the limit. (This was
+// TestLeaseWaitersDoNotOpenBreaker, whose lease waiters, one blocking read
+// per key, held the pool; since 83dbfce a process's lease waiters on a
+// single node share one read, and cannot.)
+func TestBlockingCommandsDoNotOpenBreaker(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Start(t)
 	o := srv.Options()
@@ -243,39 +244,27 @@ func TestLeaseWaitersDoNotOpenBreaker(t *testing.T) {
 	rdb := redis.NewClient(o)
 	t.Cleanup(func() { _ = rdb.Close() })
 	log := &nodeLog{}
-	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithObserver(log))
+	prefix := redistest.Prefix(t)
+	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithObserver(log))
 	require.NoError(t, err)
-	sem, err := lease.New(eng, "jobs", 1)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = sem.Close(context.Background()) })
 	ctx := context.Background()
 	lim := throttle.PerSecond(1000, 1000)
 	redistest.UntilOK(t, func() error { _, err := eng.Allow(ctx, "warm", lim); return err })
 	var wg sync.WaitGroup
-	var held []*lease.Lease
-	// The waiters wait until the limiter calls are done. Had they a
-	// timeout of their own, a slow start could let one give up during the
-	// calls: its connection then closes just as a call's wait for a turn
-	// ends, and the pool reads not full.
-	wctx, stopWaiters := context.WithTimeout(ctx, 30*time.Second)
-	defer stopWaiters()
+	// The blocking commands last until the limiter calls are done.
+	wctx, stopBlocking := context.WithTimeout(ctx, 30*time.Second)
+	defer stopBlocking()
 	for i := range o.PoolSize {
-		key := "key" + string(rune('a'+i))
-		var l *lease.Lease
-		redistest.UntilOK(t, func() error { var err error; l, err = sem.Acquire(ctx, key); return err })
-		held = append(held, l)
 		wg.Add(1)
-		go func() { // a waiter: it blocks on the key's wake-up list
+		go func() {
 			defer wg.Done()
-			if l, err := sem.Acquire(wctx, key); err == nil {
-				_ = l.Release(ctx)
-			}
+			_ = rdb.BLPop(wctx, 25*time.Second, prefix+"pushed-at-end-"+string(rune('a'+i))).Err()
 		}()
 	}
-	// The waiters are blocked once they hold every connection.
+	// Blocked once they hold every connection.
 	deadline := time.Now().Add(10 * time.Second)
 	for ps := rdb.PoolStats(); ps.TotalConns-ps.IdleConns < uint32(o.PoolSize); ps = rdb.PoolStats() {
-		require.True(t, time.Now().Before(deadline), "the waiters never took the pool: %+v", ps)
+		require.True(t, time.Now().Before(deadline), "the blocking commands never took the pool: %+v", ps)
 		time.Sleep(time.Millisecond)
 	}
 	failed, lost := 0, 0
@@ -293,13 +282,14 @@ func TestLeaseWaitersDoNotOpenBreaker(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	stopWaiters()
-	wg.Wait() // the waiters give up
-	for _, l := range held {
-		redistest.UntilOK(t, func() error { return l.Release(ctx) })
+	stopBlocking()
+	push := srv.Client(t) // ends the blocking commands
+	for i := range o.PoolSize {
+		require.NoError(t, push.RPush(ctx, prefix+"pushed-at-end-"+string(rune('a'+i)), "x").Err())
 	}
+	wg.Wait()
 	t.Logf("limiter calls failed: %d of 20 (%d of them sent, the reply late); node breaker changes %v", failed, lost, log.getNodes())
-	require.Empty(t, log.getNodes(), "lease waiters on the engine's client opened the breaker of a healthy Redis")
+	require.Empty(t, log.getNodes(), "blocking commands on the engine's client opened the breaker of a healthy Redis")
 }
 
 // blackhole returns the address of a loopback listener whose accept queue
