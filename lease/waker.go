@@ -20,8 +20,8 @@ import (
 type waker struct {
 	running bool // its goroutine runs; it ends when no room waits
 	// lists, while a read is being made (from choosing its lists until its
-	// reply is read), holds its lists (with the engine's prefix) and the
-	// key of each; nil otherwise.
+	// reply is read), holds its lists (engine keys, without the engine's
+	// prefix) and the key of each; nil otherwise.
 	lists  map[string]string
 	kicked bool          // a kick was sent for the read being made
 	poke   chan struct{} // cap 1: a room waits, for a waker between two reads
@@ -59,7 +59,7 @@ func (s *Semaphore) wakerNeedLocked(r *room) (kick bool) {
 		default:
 		}
 	case !m.kicked && len(m.lists) < m.max:
-		if _, ok := m.lists[s.eng.Prefix()+s.wakeList(r.key)]; !ok {
+		if _, ok := m.lists[s.wakeList(r.key)]; !ok {
 			m.kicked = true
 			return true
 		}
@@ -95,7 +95,7 @@ func (s *Semaphore) wakeLoop() {
 				break
 			}
 			if r.waitingLocked() {
-				lists[s.eng.Prefix()+s.wakeList(key)] = key
+				lists[s.wakeList(key)] = key
 				for id, w := range r.waiters {
 					since[id] = w.since
 				}
@@ -145,14 +145,19 @@ func (s *Semaphore) readWakes(lists map[string]string, since map[string]time.Tim
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), max(d, time.Second)+time.Second+4*s.eng.Timeout())
 	defer cancel()
+	// names: the lists, its own last (BLPOP pops from the first list that
+	// holds anything, so a wake-up goes before a kick); the drain below
+	// names them in the same order.
 	names := make([]string, 0, len(lists)+1)
 	for list := range lists {
 		names = append(names, list)
 	}
-	// Its own list last: BLPOP pops from the first list that holds
-	// anything, so a wake-up goes before a kick.
-	names = append(names, s.eng.Prefix()+s.waker.ctl)
-	cmd := s.blpopCall(ctx, d, names)
+	names = append(names, s.waker.ctl)
+	prefixed := make([]string, len(names))
+	for i, n := range names {
+		prefixed[i] = s.eng.Prefix() + n
+	}
+	cmd := s.blpopCall(ctx, d, prefixed)
 	release()
 	vals, err := cmd.Result()
 	switch {
@@ -165,18 +170,13 @@ func (s *Semaphore) readWakes(lists map[string]string, since map[string]time.Tim
 		case <-s.quit:
 		}
 	case len(vals) == 2:
-		s.deliverWake(lists[vals[0]], vals[1], since)
+		s.deliverWake(lists[strings.TrimPrefix(vals[0], s.eng.Prefix())], vals[1], since)
 		if len(lists) < 2 {
 			break // one key's wake-ups: the next read pops the next
 		}
 		// Wake-ups come in bursts (a process releasing many keys): take
 		// the others the lists hold now in one call, rather than one read
 		// each, and any kicks piled up on the waker's own list.
-		names := make([]string, 0, len(lists)+1)
-		for list := range lists {
-			names = append(names, strings.TrimPrefix(list, s.eng.Prefix()))
-		}
-		names = append(names, s.waker.ctl)
 		dctx, dcancel := s.detach(context.Background())
 		raw, err := s.eng.RunScript(dctx, drainScript, names)
 		dcancel()
@@ -185,7 +185,7 @@ func (s *Semaphore) readWakes(lists map[string]string, since map[string]time.Tim
 			n, _ := pairs[i].(int64)
 			v, _ := pairs[i+1].(string)
 			if n >= 1 && int(n) < len(names) {
-				s.deliverWake(lists[s.eng.Prefix()+names[n-1]], v, since)
+				s.deliverWake(lists[names[n-1]], v, since)
 			}
 		}
 	}
