@@ -23,6 +23,7 @@ import (
 
 	"github.com/slotbook/slotbook/deadline"
 	"github.com/slotbook/slotbook/internal/testhook"
+	"github.com/slotbook/slotbook/internal/waitbound"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -303,6 +304,12 @@ func (l *Limiter) Reserve(ctx context.Context, key string) (*Reservation, error)
 // exact retry-after. A refusal is not an error; err is non-nil only for bad
 // input (no Redis call made), a done context, or a Redis failure.
 //
+// Once its call is sent, ctx does not cut it short: a caller whose context
+// ends, or whose deadline passes, while the call is out gets the context's
+// error once the reply is in (the engine's timeout, WithTimeout, bounds
+// that wait), and the slot booked for it is given back. Cut short, the
+// call would lose its reply, and the booked slot's room with it.
+//
 // Concurrent calls for the same key share Redis calls (see WithCoalescing):
 // a caller that finds fewer than four other callers of the key is sent at
 // once; more callers arriving while a call is in flight go together in the
@@ -339,19 +346,11 @@ func (l *Limiter) reserveN(ctx context.Context, key string, n int, maxWait time.
 	if l.coalesce {
 		return l.coalesced(key, c)
 	}
-	k := l.subjectKey(key)
-	l.giveBackLate(ctx, k, l.book(ctx, k, []*call{c}), nil)
-	if c.ended { // ended after the check above, before anything was sent
-		return nil, c.res.err
-	}
-	if c.res != nil && ctx.Err() != nil {
-		// A merged call is not cut short by its callers' contexts (see
-		// throttle.WithMerging): ended in flight, the caller never had
-		// its answer, and gets its context's error (a booking goes back),
-		// as a coalesced caller does.
-		return c.finish()
-	}
-	return c.res, c.err
+	// As a coalesced caller's: the call is not cut short once sent (a
+	// deadline passing in flight would lose the reply, and the booking's
+	// room with it); ended meanwhile, the caller gets its context's error
+	// and the booking goes back.
+	return l.sendAlone(key, c)
 }
 
 // A BatchRequest is one request of ReserveBatch.
@@ -383,7 +382,9 @@ type BatchRequest struct {
 // ReserveBatch books reqs for key in order, in one Redis call, each judged
 // on its own budget exactly as ReserveN would judge it. It returns one
 // Reservation per request (a refused one is not OK), or an error for bad
-// input (nothing sent) or a Redis failure (nothing booked). A request
+// input (nothing sent), a Redis failure (nothing booked) or ctx ending
+// before the reply is in (what was booked given back, as ReserveN does,
+// before it returns). A request
 // whose Context has ended by the time the call is sent books nothing: its
 // Reservation is not OK and its Err is the context's error (no call is
 // made if every request's has). A request the reply's latency made late
@@ -414,14 +415,31 @@ func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequ
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	late := l.book(ctx, k, calls)
-	l.giveBackLate(ctx, k, late, lateAfter(late, calls))
+	// Once sent, the call is not cut short by ctx (see sendAlone).
+	late := l.book(waitbound.Detach(ctx), k, calls)
+	after := lateAfter(late, calls)
+	l.giveBackLate(ctx, k, late, after)
 	out := make([]*Reservation, len(calls))
 	for i, c := range calls {
 		if c.err != nil {
 			return nil, c.err
 		}
 		out[i] = c.res
+	}
+	if err := ctx.Err(); err != nil {
+		// Ended in flight: the caller never had its answer. As ReserveN's,
+		// it gets its context's error, and every booking that stands goes
+		// back, the latest first, so that each gives its room back; it
+		// returns once they have (the late ones too).
+		if after != nil {
+			<-after
+		}
+		for _, r := range slices.Backward(out) {
+			if r.OK() || r.held {
+				r.giveBack(ctx, true)
+			}
+		}
+		return nil, err
 	}
 	return out, nil
 }

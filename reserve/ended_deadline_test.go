@@ -1,0 +1,71 @@
+package reserve_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/slotbook/slotbook/internal/callcount"
+	"github.com/slotbook/slotbook/reserve"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+// TestDeadlineInFlightGivesBack: a caller whose context deadline passes
+// while its booking call is out (Redis has booked, the reply held back
+// 150 ms against a 60 ms deadline) gets the deadline's error and books
+// nothing: the call is not cut short by the deadline (the socket's read
+// would then lose the reply and the booking with it, its room wasted
+// until its slot passed), and the booking goes back once the reply is
+// in. Every path that books: ReserveN with coalescing on and off,
+// AcquireN, ReserveBatch. The oracle is the textbook GCRA of an untouched
+// key: Burst+1 units are allowed at once.
+func TestDeadlineInFlightGivesBack(t *testing.T) {
+	t.Parallel()
+	eng, p, _ := proxiedEngine(t, 32)
+	calls := callcount.Attach(eng.Client().(*redis.Client))
+	lim := throttle.PerSecond(2, 2) // three at once, then one every 500 ms
+	mk := func(coalesce bool) *reserve.Limiter {
+		l, err := reserve.New(eng, "dl", lim, reserve.WithCoalescing(coalesce), reserve.WithoutMaxWait())
+		require.NoError(t, err)
+		return l
+	}
+	co, unco := mk(true), mk(false)
+	for i, tc := range []struct {
+		name  string
+		calls int64 // the booking, and a give-back per booking
+		run   func(ctx context.Context, subject string) error
+	}{
+		{"ReserveN coalesced", 2, func(ctx context.Context, s string) error { _, err := co.ReserveN(ctx, s, 2); return err }},
+		{"ReserveN uncoalesced", 2, func(ctx context.Context, s string) error { _, err := unco.ReserveN(ctx, s, 2); return err }},
+		{"AcquireN uncoalesced", 2, func(ctx context.Context, s string) error { return unco.AcquireN(ctx, s, 2) }},
+		{"ReserveBatch", 3, func(ctx context.Context, s string) error {
+			_, err := unco.ReserveBatch(ctx, s, []reserve.BatchRequest{{N: 1}, {N: 1}})
+			return err
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			bg := context.Background()
+			subject := fmt.Sprintf("s%d", i)
+			// A warm connection, so that the call is sent at once rather
+			// than cut short while dialling.
+			require.NoError(t, eng.Client().(*redis.Client).Ping(bg).Err())
+			p.SetReplyDelay(150 * time.Millisecond)
+			ctx, cancel := context.WithTimeout(bg, 60*time.Millisecond)
+			before := calls.Load()
+			err := tc.run(ctx, subject)
+			cancel()
+			p.SetReplyDelay(0)
+			sent := calls.Load() - before
+			res, aerr := eng.AllowN(bg, "dl:{"+subject+"}", lim, lim.Burst+1)
+			require.NoError(t, aerr)
+			require.True(t, res.Allowed, "the key must be untouched: Burst+1 units at once (caller's error: %v)", err)
+			require.ErrorIs(t, err, context.DeadlineExceeded)
+			require.NotErrorIs(t, err, throttle.ErrReplyLost, "the reply must be read, not lost")
+			require.Equal(t, tc.calls, sent, "the booking and its give-backs")
+		})
+	}
+}
