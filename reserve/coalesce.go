@@ -153,7 +153,7 @@ func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
 // ends the wait (waitbound).
 func (l *Limiter) sendAlone(key string, c *call) (*Reservation, error) {
 	k := l.subjectKey(key)
-	l.giveBackLate(c.ctx, k, l.book(waitbound.Detach(c.ctx), k, c.alone()), nil)
+	l.giveBackLate(c.ctx, k, l.book(waitbound.WithoutDeadline(c.ctx), k, c.alone()), nil)
 	return c.finish()
 }
 
@@ -200,14 +200,14 @@ func (l *Limiter) lead(key string, ks *keyState, c *call) {
 // context ended meanwhile gets the context's error, and anything booked for
 // it is given back.
 func (c *call) finish() (*Reservation, error) {
-	err := c.ctx.Err()
+	err := ended(c.ctx)
 	if err == nil {
 		return c.res, c.err
 	}
 	if c.res != nil && c.res.OK() {
 		c.res.giveBack(c.ctx, true) // the caller never had it
 	}
-	return nil, err
+	return nil, endedErr(err, c.err)
 }
 
 // send books batch (whose callers are all taken) in one call, wakes its
@@ -250,7 +250,7 @@ func (l *Limiter) send(ctx context.Context, key string, ks *keyState, batch []*c
 	// connection, before anything is sent, ends with the sender's context.
 	var bctx context.Context
 	if len(batch) == 1 {
-		bctx = waitbound.Detach(ctx)
+		bctx = waitbound.WithoutDeadline(ctx)
 	} else {
 		bctx = context.WithoutCancel(ctx)
 	}

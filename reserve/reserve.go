@@ -10,6 +10,7 @@
 package reserve
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -304,11 +305,15 @@ func (l *Limiter) Reserve(ctx context.Context, key string) (*Reservation, error)
 // exact retry-after. A refusal is not an error; err is non-nil only for bad
 // input (no Redis call made), a done context, or a Redis failure.
 //
-// Once its call is sent, ctx does not cut it short: a caller whose context
-// ends, or whose deadline passes, while the call is out gets the context's
-// error once the reply is in (the engine's timeout, WithTimeout, bounds
-// that wait), and the slot booked for it is given back. Cut short, the
-// call would lose its reply, and the booked slot's room with it.
+// Once its call is sent, ctx's deadline does not cut it short: a caller
+// whose context ends, or whose deadline passes, while the call is out gets
+// the context's error once the reply is in, and the slot booked for it is
+// given back (as Cancel gives back: in full unless a later booking stands
+// on it). Cut short, the call would lose its reply, and the slot's room
+// with it. That wait is bounded by the engine's timeout (throttle's
+// WithTimeout; four times it for the call that probes an open breaker),
+// and the give-back's by a second; with no engine timeout, ctx bounds the
+// call as it would any other.
 //
 // Concurrent calls for the same key share Redis calls (see WithCoalescing):
 // a caller that finds fewer than four other callers of the key is sent at
@@ -383,8 +388,8 @@ type BatchRequest struct {
 // on its own budget exactly as ReserveN would judge it. It returns one
 // Reservation per request (a refused one is not OK), or an error for bad
 // input (nothing sent), a Redis failure (nothing booked) or ctx ending
-// before the reply is in (what was booked given back, as ReserveN does,
-// before it returns). A request
+// before the reply is in (what was booked given back before it returns,
+// as ReserveN gives back: a round trip per booking). A request
 // whose Context has ended by the time the call is sent books nothing: its
 // Reservation is not OK and its Err is the context's error (no call is
 // made if every request's has). A request the reply's latency made late
@@ -415,31 +420,28 @@ func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequ
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	// Once sent, the call is not cut short by ctx (see sendAlone).
-	late := l.book(waitbound.Detach(ctx), k, calls)
-	after := lateAfter(late, calls)
-	l.giveBackLate(ctx, k, late, after)
+	// Once sent, the call is not cut short by ctx's deadline (see
+	// sendAlone).
+	late := l.book(waitbound.WithoutDeadline(ctx), k, calls)
+	if err := ended(ctx); err != nil {
+		// Ended in flight: the caller never had its answer. As ReserveN's,
+		// it gets its context's error, and what was booked goes back
+		// before it returns.
+		l.giveBackEnded(ctx, k, late, calls)
+		for _, c := range calls {
+			if c.err != nil {
+				return nil, endedErr(err, c.err)
+			}
+		}
+		return nil, err
+	}
+	l.giveBackLate(ctx, k, late, lateAfter(late, calls))
 	out := make([]*Reservation, len(calls))
 	for i, c := range calls {
 		if c.err != nil {
 			return nil, c.err
 		}
 		out[i] = c.res
-	}
-	if err := ctx.Err(); err != nil {
-		// Ended in flight: the caller never had its answer. As ReserveN's,
-		// it gets its context's error, and every booking that stands goes
-		// back, the latest first, so that each gives its room back; it
-		// returns once they have (the late ones too).
-		if after != nil {
-			<-after
-		}
-		for _, r := range slices.Backward(out) {
-			if r.OK() || r.held {
-				r.giveBack(ctx, true)
-			}
-		}
-		return nil, err
 	}
 	return out, nil
 }
@@ -589,11 +591,7 @@ func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.
 	run := func() {
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 		defer cancel()
-		for _, b := range late {
-			// Refused, never anyone's: its room comes back even if its
-			// slot has come by now.
-			_, _ = l.eng.RefundUnused(cctx, l.keysOf(key), l.limits, b)
-		}
+		l.refundLate(cctx, key, late)
 	}
 	if after == nil {
 		run()
@@ -603,6 +601,70 @@ func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.
 		defer close(after)
 		run()
 	}()
+}
+
+// refundLate gives back late, bookings refused once the reply was in, in
+// order, on ctx.
+func (l *Limiter) refundLate(ctx context.Context, key string, late []throttle.Booking) {
+	for _, b := range late {
+		// Refused, never anyone's: its room comes back even if its slot
+		// has come by now.
+		_, _ = l.eng.RefundUnused(ctx, l.keysOf(key), l.limits, b)
+	}
+}
+
+// giveBackEnded gives back everything calls booked for a caller whose
+// context ended while they were out: the late bookings book returned, then
+// every booking that stands (held ones too), the latest first, so that
+// each gives its room back as far as nothing booked since stands on it;
+// a round trip each, each bounded by a second. It stops at the first that
+// fails: the bookings under it could give nothing back while it stands.
+func (l *Limiter) giveBackEnded(ctx context.Context, key string, late []throttle.Booking, calls []*call) {
+	within := func(give func(context.Context) error) error {
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		defer cancel()
+		return give(cctx)
+	}
+	for _, b := range late {
+		err := within(func(cctx context.Context) error {
+			_, err := l.eng.RefundUnused(cctx, l.keysOf(key), l.limits, b)
+			return err
+		})
+		if err != nil {
+			return
+		}
+	}
+	for _, c := range slices.Backward(calls) {
+		if r := c.res; r != nil && (r.OK() || r.held) {
+			// The caller never had it.
+			if err := within(func(cctx context.Context) error { return r.cancel(cctx, true) }); err != nil {
+				return
+			}
+		}
+	}
+}
+
+// ended returns ctx's error, or context.DeadlineExceeded once its deadline
+// has passed though its timer has yet to say so: a caller whose deadline
+// passed while its call was out has gone, whatever the timer.
+func ended(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if dl, ok := ctx.Deadline(); ok && !time.Now().Before(dl) {
+		return context.DeadlineExceeded
+	}
+	return nil
+}
+
+// endedErr is the error of a caller whose context ended (err) while its
+// call was out, the call's own error cerr (a lost reply, say) kept in the
+// chain.
+func endedErr(err, cerr error) error {
+	if cerr == nil || errors.Is(cerr, err) {
+		return cmp.Or(cerr, err)
+	}
+	return fmt.Errorf("%w: %w", err, cerr)
 }
 
 // lateAfter returns, for a batch of several calls of which some were
@@ -845,7 +907,8 @@ func (r *Reservation) giveBack(ctx context.Context, unused bool) {
 // Once the slot has come nothing is given back, and Cancel makes no Redis
 // call. Cancelling twice, cancelling a View, or cancelling a refusal does
 // nothing, but for a late refusal held for the caller
-// (BatchRequest.HoldLate), whose booking Cancel gives back as any other. If
+// (BatchRequest.HoldLate), whose booking Cancel gives back even once its
+// slot has come, since no one acts on a refusal. If
 // Cancel returns an error (Redis unreachable, or its reply lost: errors.Is
 // throttle.ErrReplyLost), calling it again is safe: the engine gives a
 // booking back at most once.
@@ -883,7 +946,7 @@ func (r *Reservation) cancel(ctx context.Context, unused bool) error {
 	}
 	refund := r.lim.eng.RefundAll
 	switch {
-	case unused:
+	case unused || r.held: // no one acts on a refusal, held or not
 		refund = r.lim.eng.RefundUnused
 	case r.slotCome(ctx):
 		r.canceled = true // Redis would give nothing back: no call

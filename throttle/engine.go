@@ -18,6 +18,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/slotbook/slotbook/internal/testhook"
+	"github.com/slotbook/slotbook/internal/waitbound"
 )
 
 var (
@@ -726,7 +727,12 @@ func (e *Engine) callContext(ctx context.Context) (context.Context, context.Canc
 // timeouts bound each step of the call (clientBound, no longer than d).
 // A call's errors are classed the same either way (see callerEnded).
 func (e *Engine) bound(ctx context.Context, d time.Duration, now time.Time) (context.Context, context.CancelFunc) {
-	if d <= 0 || (e.clientBound > 0 && e.clientBound <= d) {
+	if d <= 0 {
+		// No timeout: the caller's context bounds the call, its deadline
+		// included where package reserve hid it (see waitbound).
+		return waitbound.Of(ctx), noCancel
+	}
+	if e.clientBound > 0 && e.clientBound <= d {
 		return ctx, noCancel
 	}
 	if dl, ok := ctx.Deadline(); ok && !dl.After(now.Add(d)) {

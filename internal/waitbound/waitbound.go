@@ -1,12 +1,16 @@
-// Package waitbound lets package reserve bound a call's wait for a Redis
-// connection by one context while the call itself runs on another.
+// Package waitbound lets package reserve send a call that its caller's
+// deadline does not cut short once it is sent, while the caller's end
+// still ends the call's waits before anything is sent.
 //
-// A caller whose request must not be cut short once sent (its reply holds
-// a booking to give back if the caller has gone) hands the engine a
-// context without its end, so the engine's timeout bounds the call. But
-// while the call only waits for a free connection, nothing has been sent,
-// and the caller's own end should end the wait: Detach makes such a
-// context, and Of finds the caller's for that wait alone.
+// go-redis puts a context's deadline on the socket (a reply that comes
+// after it is lost) but watches the context's Done only while a call
+// waits: for a pooled connection, a dial, a retry's pause. A booking's
+// reply holds a slot to give back if its caller has gone, so reserve hands
+// the engine its caller's context without the deadline: WithoutDeadline
+// makes it. The engine's timeout then bounds the call once sent, and the
+// caller's end still ends the engine's wait for a connection token and
+// the client's for a connection. Of finds the caller's own context, for an
+// engine without a timeout, whose calls the caller's deadline bounds.
 package waitbound
 
 import (
@@ -16,34 +20,33 @@ import (
 
 type key struct{}
 
-// detached is context.WithoutCancel(parent) that also answers Of with
-// parent: one allocation where WithoutCancel and a WithValue would be two.
-type detached struct{ parent context.Context }
+// undated is its parent without the parent's deadline: the parent's Done,
+// Err and values, and Of answers with the parent.
+type undated struct{ context.Context }
 
-func (detached) Deadline() (time.Time, bool) { return time.Time{}, false }
-func (detached) Done() <-chan struct{}       { return nil }
-func (detached) Err() error                  { return nil }
-func (d detached) String() string            { return "waitbound.Detach" }
-func (d detached) Value(k any) any {
+func (undated) Deadline() (time.Time, bool) { return time.Time{}, false }
+func (undated) String() string              { return "waitbound.WithoutDeadline" }
+func (u undated) Value(k any) any {
 	if k == (key{}) {
-		return d.parent
+		return u.Context
 	}
-	return d.parent.Value(k)
+	return u.Context.Value(k)
 }
 
-// Detach returns a context with ctx's values and no deadline or
-// cancellation, as context.WithoutCancel does, under which a call's wait
-// for a connection (and nothing after it) still ends with ctx. A detached
-// context is returned as it is, so the wait stays bounded by the caller's.
-func Detach(ctx context.Context) context.Context {
-	if d, ok := ctx.(detached); ok {
-		return d
+// WithoutDeadline returns a context with ctx's values, Done and Err, that
+// reports no deadline, so that a call made on it is not cut short by ctx's
+// deadline once sent (a reply read past the deadline would be lost) while
+// its waits still end when ctx does (at its deadline too, through Done). A
+// context it made is returned as it is.
+func WithoutDeadline(ctx context.Context) context.Context {
+	if u, ok := ctx.(undated); ok {
+		return u
 	}
-	return detached{ctx}
+	return undated{ctx}
 }
 
-// Of returns the context that bounds ctx's wait for a connection: the one
-// given to Detach, or ctx itself.
+// Of returns the context that WithoutDeadline was given for ctx, deadline
+// included, or ctx itself.
 func Of(ctx context.Context) context.Context {
 	if b, ok := ctx.Value(key{}).(context.Context); ok {
 		return b

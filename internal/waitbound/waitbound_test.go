@@ -8,28 +8,43 @@ import (
 
 type valKey struct{}
 
-func TestDetach(t *testing.T) {
+func TestWithoutDeadline(t *testing.T) {
 	parent, cancel := context.WithTimeout(context.WithValue(context.Background(), valKey{}, "v"), time.Hour)
-	d := Detach(Detach(parent))
-	if _, ok := d.Deadline(); ok || d.Done() != nil || d.Err() != nil {
-		t.Fatal("a detached context has a deadline or an end")
+	u := WithoutDeadline(WithoutDeadline(parent))
+	if _, ok := u.Deadline(); ok {
+		t.Fatal("the context reports its parent's deadline")
 	}
-	if d.Value(valKey{}) != "v" {
-		t.Fatal("a detached context lost its parent's values")
+	if u.Done() != parent.Done() || u.Err() != nil {
+		t.Fatal("the context does not end with its parent")
 	}
-	if Of(d) != parent {
-		t.Fatal("the wait of a detached context (detached twice) is not bounded by the caller's")
+	if u.Value(valKey{}) != "v" {
+		t.Fatal("the context lost its parent's values")
+	}
+	if Of(u) != parent {
+		t.Fatal("Of (through WithoutDeadline twice) does not give the caller's context")
 	}
 	if plain := context.Background(); Of(plain) != plain {
-		t.Fatal("a context without Detach does not bound its own wait")
+		t.Fatal("Of of a plain context is not itself")
+	}
+	// A context derived from it (the engine's timeout) ends with the
+	// caller, and has only its own deadline.
+	child, stop := context.WithTimeout(u, time.Minute)
+	defer stop()
+	if dl, ok := child.Deadline(); !ok || dl.After(time.Now().Add(time.Minute)) {
+		t.Fatal("the derived context's deadline is not its own")
 	}
 	cancel()
-	if d.Err() != nil {
-		t.Fatal("the caller's end reached the detached context")
+	select {
+	case <-u.Done():
+	default:
+		t.Fatal("the caller's end did not end the context")
 	}
 	select {
-	case <-Of(d).Done():
+	case <-child.Done():
 	default:
-		t.Fatal("the caller's end did not end the wait")
+		t.Fatal("the caller's end did not end the derived context")
+	}
+	if u.Err() != context.Canceled {
+		t.Fatalf("Err after the caller's end: %v", u.Err())
 	}
 }
