@@ -37,10 +37,11 @@ func (u undated) Value(k any) any {
 // reports no deadline, so that a call made on it is not cut short by ctx's
 // deadline once sent (a reply read past the deadline would be lost) while
 // its waits still end when ctx does (at its deadline too, through Done). A
-// context it made is returned as it is.
+// context with no deadline (one it made, say) is returned as it is, at no
+// cost.
 func WithoutDeadline(ctx context.Context) context.Context {
-	if u, ok := ctx.(undated); ok {
-		return u
+	if _, ok := ctx.Deadline(); !ok {
+		return ctx
 	}
 	return undated{ctx}
 }

@@ -26,6 +26,9 @@ func TestWithoutDeadline(t *testing.T) {
 	if plain := context.Background(); Of(plain) != plain {
 		t.Fatal("Of of a plain context is not itself")
 	}
+	if plain := context.WithValue(context.Background(), valKey{}, "w"); WithoutDeadline(plain) != plain {
+		t.Fatal("a context without a deadline is not returned as it is")
+	}
 	// A context derived from it (the engine's timeout) ends with the
 	// caller, and has only its own deadline.
 	child, stop := context.WithTimeout(u, time.Minute)
