@@ -10,7 +10,6 @@
 package reserve
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -312,8 +311,9 @@ func (l *Limiter) Reserve(ctx context.Context, key string) (*Reservation, error)
 // on it). Cut short, the call would lose its reply, and the slot's room
 // with it. That wait is bounded by the engine's timeout (throttle's
 // WithTimeout; four times it for the call that probes an open breaker),
-// and the give-back's by a second; with no engine timeout, ctx bounds the
-// call as it would any other.
+// and the give-back's by a second. With no engine timeout, ctx bounds a
+// call that is its caller's alone as it would any other, and the client's
+// own timeouts (its ReadTimeout) one shared with other callers of the key.
 //
 // Concurrent calls for the same key share Redis calls (see WithCoalescing):
 // a caller that finds fewer than four other callers of the key is sent at
@@ -379,8 +379,10 @@ type BatchRequest struct {
 	// booked after it stands (see Reservation.Cancel), and ReserveBatch
 	// cannot know which of the later ones the caller will give back. (The
 	// late bookings ReserveBatch gives back itself go out after the batch
-	// has returned, so as not to hold back the others' answers; a Cancel
-	// of any Reservation of the batch waits until they are in.)
+	// has returned, so as not to hold back the others' answers; the
+	// Cancel of any booking of the batch, held or not, waits until they
+	// are in. A refusal that holds nothing has nothing to give back, and
+	// its Cancel returns at once.)
 	HoldLate bool
 }
 
@@ -658,13 +660,21 @@ func ended(ctx context.Context) error {
 }
 
 // endedErr is the error of a caller whose context ended (err) while its
-// call was out, the call's own error cerr (a lost reply, say) kept in the
-// chain.
+// call was out: err, with the call's own error cerr kept in the chain
+// where it tells more (a lost reply, Redis unavailable, an error of
+// Redis's); a call that ended with the context's own error, nothing sent,
+// adds nothing.
 func endedErr(err, cerr error) error {
-	if cerr == nil || errors.Is(cerr, err) {
-		return cmp.Or(cerr, err)
+	switch {
+	case cerr == nil:
+		return err
+	case !errors.Is(cerr, err):
+		return fmt.Errorf("%w: %w", err, cerr)
+	case errors.Is(cerr, throttle.ErrReplyLost), errors.Is(cerr, throttle.ErrUnavailable):
+		return cerr
+	default:
+		return err
 	}
-	return fmt.Errorf("%w: %w", err, cerr)
 }
 
 // lateAfter returns, for a batch of several calls of which some were

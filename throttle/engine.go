@@ -568,7 +568,7 @@ func (e *Engine) lookup(ctx context.Context, key string, now time.Time, mayProbe
 		if !probing {
 			return e.unread, false, nil
 		}
-		if ended := callerEnded(ctx, callCtx); ended != nil {
+		if ended := e.callerEnded(ctx, callCtx, err); ended != nil {
 			e.breakers.abandonB(e.unread.b)
 			return e.unread, false, ended
 		}
@@ -718,7 +718,10 @@ func (e *Engine) Heartbeat(ctx context.Context, name, id string, ttl time.Durati
 }
 
 func (e *Engine) callContext(ctx context.Context) (context.Context, context.CancelFunc) {
-	return withTimeout(ctx, e.timeout)
+	if e.timeout <= 0 {
+		return waitbound.Of(ctx), noCancel // the caller's context bounds the call (see bound)
+	}
+	return context.WithTimeout(ctx, e.timeout)
 }
 
 // bound returns ctx bounded by the timeout d of a call starting at now, as

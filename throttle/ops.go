@@ -508,6 +508,28 @@ func (e *Engine) exec(ctx context.Context, t turn, s *script, full []string, a [
 	return reply, err
 }
 
+// callerEnded is the package's callerEnded for a call made on ctx whose
+// error is err, where package reserve may have hidden the caller's
+// deadline from ctx (waitbound). With the engine's timeout the socket's
+// deadline was then the engine's (or the client's), never the caller's:
+// the caller ended the call only through one of its waits before anything
+// was sent (for a connection, a dial), which fail with the caller's own
+// error, and a timeout is Redis's. Without one, the caller's context bounded
+// the call, deadline included (see bound), and is judged as any other.
+func (e *Engine) callerEnded(ctx, callCtx context.Context, err error) error {
+	caller, hidden := waitbound.Hidden(ctx)
+	switch {
+	case !hidden:
+		return callerEnded(ctx, callCtx)
+	case e.timeout <= 0:
+		return callerEnded(caller, callCtx)
+	}
+	if cerr := caller.Err(); cerr != nil && errors.Is(err, cerr) {
+		return cerr
+	}
+	return nil
+}
+
 // callerEnded returns the caller's context error if the call ended
 // because of it, not because of the engine's timeout: ctx is done, or its
 // deadline (no later than callCtx's, which adds the engine's timeout) has
@@ -580,7 +602,7 @@ func (e *Engine) verdict(ctx, callCtx context.Context, key string, err error) (c
 	if err == nil {
 		return redisServed, nil
 	}
-	switch ended := callerEnded(ctx, callCtx); {
+	switch ended := e.callerEnded(ctx, callCtx, err); {
 	case ended != nil: // the caller gave up: no verdict on Redis
 		sent := !notSent(err) // judged on go-redis's error as it came
 		if !errors.Is(err, ended) {

@@ -49,8 +49,15 @@ func WithoutDeadline(ctx context.Context) context.Context {
 // Of returns the context that WithoutDeadline was given for ctx, deadline
 // included, or ctx itself.
 func Of(ctx context.Context) context.Context {
-	if b, ok := ctx.Value(key{}).(context.Context); ok {
+	if b, ok := Hidden(ctx); ok {
 		return b
 	}
 	return ctx
+}
+
+// Hidden returns the context that WithoutDeadline was given for ctx, and
+// whether there is one: whether a deadline was hidden from ctx.
+func Hidden(ctx context.Context) (context.Context, bool) {
+	b, ok := ctx.Value(key{}).(context.Context)
+	return b, ok
 }
