@@ -18,20 +18,12 @@ import (
 	"time"
 )
 
-type key struct{}
-
 // undated is its parent without the parent's deadline: the parent's Done,
-// Err and values, and Of answers with the parent.
+// Err and values.
 type undated struct{ context.Context }
 
 func (undated) Deadline() (time.Time, bool) { return time.Time{}, false }
 func (undated) String() string              { return "waitbound.WithoutDeadline" }
-func (u undated) Value(k any) any {
-	if k == (key{}) {
-		return u.Context
-	}
-	return u.Context.Value(k)
-}
 
 // WithoutDeadline returns a context with ctx's values, Done and Err, that
 // reports no deadline, so that a call made on it is not cut short by ctx's
@@ -46,8 +38,8 @@ func WithoutDeadline(ctx context.Context) context.Context {
 	return undated{ctx}
 }
 
-// Of returns the context that WithoutDeadline was given for ctx, deadline
-// included, or ctx itself.
+// Of returns the context that WithoutDeadline was given for ctx, if ctx is
+// its, deadline included; else ctx itself.
 func Of(ctx context.Context) context.Context {
 	if b, ok := Hidden(ctx); ok {
 		return b
@@ -56,8 +48,10 @@ func Of(ctx context.Context) context.Context {
 }
 
 // Hidden returns the context that WithoutDeadline was given for ctx, and
-// whether there is one: whether a deadline was hidden from ctx.
+// whether there is one: whether ctx is WithoutDeadline's. A context made
+// from it (context.WithoutCancel's, for a call shared with other callers)
+// is not: the caller's context is not that call's.
 func Hidden(ctx context.Context) (context.Context, bool) {
-	b, ok := ctx.Value(key{}).(context.Context)
-	return b, ok
+	u, ok := ctx.(undated)
+	return u.Context, ok
 }

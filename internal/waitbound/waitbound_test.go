@@ -29,6 +29,9 @@ func TestWithoutDeadline(t *testing.T) {
 	if plain := context.WithValue(context.Background(), valKey{}, "w"); WithoutDeadline(plain) != plain {
 		t.Fatal("a context without a deadline is not returned as it is")
 	}
+	if shared := context.WithoutCancel(u); Of(shared) != shared {
+		t.Fatal("a context made from WithoutDeadline's (a shared call's) is taken for the caller's")
+	}
 	// A context derived from it (the engine's timeout) ends with the
 	// caller, and has only its own deadline.
 	child, stop := context.WithTimeout(u, time.Minute)
