@@ -371,6 +371,13 @@ type typedBlocker interface {
 	BLPop(ctx context.Context, timeout time.Duration, keys ...string) *redis.StringSliceCmd
 }
 
+// readContext bounds a blocking read of d (see blpopCall), with room for
+// its reply (a second and four engine timeouts); the client's own BLPop
+// blocks a second for a shorter d.
+func (s *Semaphore) readContext(d time.Duration) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), max(d, time.Second)+time.Second+4*s.eng.Timeout())
+}
+
 // blpopCall sends one blocking read of lists (with the engine's prefix)
 // for d. A read the client gives up on before Redis answers it costs its
 // connection (go-redis closes it, and may send the read again first), and
@@ -402,7 +409,7 @@ func (s *Semaphore) blpopCall(ctx context.Context, d time.Duration, lists []stri
 // grant and extend leases; the keeper then finds grants by polling.
 func (s *Semaphore) block(list, key string, d time.Duration) bool {
 	d = min(max(d, 10*time.Millisecond), maxBlock) // BLPOP's 0 is forever
-	ctx, cancel := context.WithTimeout(context.Background(), max(d, time.Second)+time.Second+4*s.eng.Timeout())
+	ctx, cancel := s.readContext(d)
 	defer cancel()
 	release, ok := s.eng.HoldConn(ctx, s.keys(key)[5]+s.proc)
 	if !ok {

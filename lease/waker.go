@@ -143,7 +143,7 @@ func (s *Semaphore) readWakes(lists map[string]string, since map[string]time.Tim
 	if !ok {
 		return false
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), max(d, time.Second)+time.Second+4*s.eng.Timeout())
+	ctx, cancel := s.readContext(d)
 	defer cancel()
 	// names: the lists, its own last (BLPOP pops from the first list that
 	// holds anything, so a wake-up goes before a kick); the drain below

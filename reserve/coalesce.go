@@ -205,7 +205,7 @@ func (c *call) finish() (*Reservation, error) {
 		return c.res, c.err
 	}
 	if c.res != nil && c.res.OK() {
-		c.res.giveBack(c.ctx, true) // the caller never had it
+		_ = c.res.giveBack(c.ctx, true) // the caller never had it
 	}
 	return nil, endedErr(err, c.err)
 }

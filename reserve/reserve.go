@@ -593,7 +593,11 @@ func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.
 	run := func() {
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 		defer cancel()
-		l.refundLate(cctx, key, late)
+		for _, b := range late {
+			// Refused, never anyone's: its room comes back even if its
+			// slot has come by now.
+			_, _ = l.eng.RefundUnused(cctx, l.keysOf(key), l.limits, b)
+		}
 	}
 	if after == nil {
 		run()
@@ -605,16 +609,6 @@ func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.
 	}()
 }
 
-// refundLate gives back late, bookings refused once the reply was in, in
-// order, on ctx.
-func (l *Limiter) refundLate(ctx context.Context, key string, late []throttle.Booking) {
-	for _, b := range late {
-		// Refused, never anyone's: its room comes back even if its slot
-		// has come by now.
-		_, _ = l.eng.RefundUnused(ctx, l.keysOf(key), l.limits, b)
-	}
-}
-
 // giveBackEnded gives back everything calls booked for a caller whose
 // context ended while they were out: the late bookings book returned, then
 // every booking that stands (held ones too), the latest first, so that
@@ -622,26 +616,17 @@ func (l *Limiter) refundLate(ctx context.Context, key string, late []throttle.Bo
 // a round trip each, each bounded by a second. It stops at the first that
 // fails: the bookings under it could give nothing back while it stands.
 func (l *Limiter) giveBackEnded(ctx context.Context, key string, late []throttle.Booking, calls []*call) {
-	within := func(give func(context.Context) error) error {
-		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
-		defer cancel()
-		return give(cctx)
-	}
 	for _, b := range late {
-		err := within(func(cctx context.Context) error {
-			_, err := l.eng.RefundUnused(cctx, l.keysOf(key), l.limits, b)
-			return err
-		})
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		_, err := l.eng.RefundUnused(cctx, l.keysOf(key), l.limits, b)
+		cancel()
 		if err != nil {
 			return
 		}
 	}
 	for _, c := range slices.Backward(calls) {
-		if r := c.res; r != nil && (r.OK() || r.held) {
-			// The caller never had it.
-			if err := within(func(cctx context.Context) error { return r.cancel(cctx, true) }); err != nil {
-				return
-			}
+		if r := c.res; r != nil && (r.OK() || r.held) && r.giveBack(ctx, true) != nil {
+			return
 		}
 	}
 }
@@ -881,17 +866,18 @@ func (r *Reservation) Wait(ctx context.Context) error {
 	if err := r.lim.clock.Sleep(ctx, r.Delay()); err != nil {
 		// Another Wait on r may have returned and its holder acted: a
 		// slot that has come stays spent.
-		r.giveBack(ctx, false)
+		_ = r.giveBack(ctx, false)
 		return err
 	}
 	return nil
 }
 
 // giveBack cancels r for a caller whose ctx has ended: on a context that
-// keeps ctx's values but not its end, so the refund still goes out.
-// unused tells that no one can have acted on r (its caller never had it),
-// so that its room comes back even if its slot has come.
-func (r *Reservation) giveBack(ctx context.Context, unused bool) {
+// keeps ctx's values but not its end, so the refund still goes out, and
+// returns Cancel's error. unused tells that no one can have acted on r
+// (its caller never had it), so that its room comes back even if its
+// slot has come.
+func (r *Reservation) giveBack(ctx context.Context, unused bool) error {
 	if r.late != nil && r.late.after != nil {
 		// The batch's own give-backs first (bounded by their second), so
 		// that this one's second is its own.
@@ -899,7 +885,7 @@ func (r *Reservation) giveBack(ctx context.Context, unused bool) {
 	}
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
-	_ = r.cancel(cctx, unused)
+	return r.cancel(cctx, unused)
 }
 
 // Cancel gives the slot back if it has not come yet, so others may use it.

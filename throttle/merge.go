@@ -12,8 +12,6 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
-
-	"github.com/slotbook/slotbook/internal/waitbound"
 )
 
 // maxMerge is the most single bookings one merged call carries.
@@ -30,8 +28,8 @@ const maxMerge = 64
 //
 // The first request of a batch leads it: it waits for a flight token
 // (until the engine's WithMergeWait has passed since the batch formed,
-// then it goes without one) and the connection (bounded by its context's
-// wait, see waitbound), takes the batch and sends it. Until then the
+// then it goes without one) and the connection (bounded by its context),
+// takes the batch and sends it. Until then the
 // batch takes more requests (up to maxMerge), and a request whose wait
 // ends leaves it, nothing sent; if that was the leader, the next request
 // leads (the batch's wait does not start again). Once taken, a request's
@@ -135,17 +133,16 @@ func (m *merger) land() { <-m.flight }
 // await waits for it's answer: named leader, or answered. While batch is
 // not taken, it leaves when ctx's wait ends, nothing sent.
 func (m *merger) await(ctx context.Context, batch *mergeBatch, it *mergeItem) mergeAnswer {
-	wctx := waitbound.Of(ctx)
 	select {
 	case a := <-it.answer:
 		return a
-	case <-wctx.Done():
+	case <-ctx.Done():
 	}
 	m.mu.Lock()
 	if !batch.taken {
 		m.leaveLocked(batch, it)
 		m.mu.Unlock()
-		return mergeAnswer{err: wctx.Err()}
+		return mergeAnswer{err: ctx.Err()}
 	}
 	m.mu.Unlock()
 	// Sent, or being sent: its booking comes with the call's reply.
@@ -192,7 +189,7 @@ func (m *merger) lead(ctx context.Context, batch *mergeBatch, it *mergeItem) mer
 	t, err := e.take(ctx, e.prefix+it.key, label(it.key))
 	m.mu.Lock()
 	if err != nil {
-		if werr := waitbound.Of(ctx).Err(); werr != nil && errors.Is(err, werr) {
+		if werr := ctx.Err(); werr != nil && errors.Is(err, werr) {
 			// Its wait ended before a connection freed: it leaves, and the
 			// next request leads.
 			m.leaveLocked(batch, it)
@@ -262,8 +259,8 @@ func (m *merger) due() time.Time {
 	return time.Now().Add(m.wait)
 }
 
-// board waits for a flight token, until due (see due) and bounded by ctx's
-// wait (see waitbound), and returns what gives it back: m.land, or
+// board waits for a flight token, until due (see due) and bounded by ctx,
+// and returns what gives it back: m.land, or
 // noCancel if due came first and the call goes without one (far from
 // Redis, the calls in flight are on the wire, not queued in Redis).
 func (m *merger) board(ctx context.Context, due time.Time) (land func(), err error) {
@@ -282,14 +279,13 @@ func (m *merger) board(ctx context.Context, due time.Time) (land func(), err err
 		defer t.Stop()
 		out = t.C
 	}
-	wctx := waitbound.Of(ctx)
 	select {
 	case m.flight <- struct{}{}:
 		return m.land, nil
 	case <-out:
 		return noCancel, nil
-	case <-wctx.Done():
-		return nil, wctx.Err()
+	case <-ctx.Done():
+		return nil, ctx.Err()
 	}
 }
 

@@ -427,8 +427,8 @@ func (t turn) release() {
 
 // take waits for a turn to call the node that holds the prefixed key: it
 // looks up the node, asks its breaker (failing fast while it is open), and
-// takes a connection token, waiting for one (bounded by ctx's wait, see
-// waitbound) if every connection is busy. lbl labels the failed call for
+// takes a connection token, waiting for one (bounded by ctx) if every
+// connection is busy. lbl labels the failed call for
 // the observer.
 func (e *Engine) take(ctx context.Context, key, lbl string) (turn, error) {
 	now := time.Now()
@@ -459,14 +459,13 @@ func (e *Engine) take(ctx context.Context, key, lbl string) (turn, error) {
 		select {
 		case gate <- struct{}{}:
 		default: // every connection busy: wait, bounded by the caller's context
-			wctx := waitbound.Of(ctx) // or the one reserve set for the wait alone
 			select {
 			case gate <- struct{}{}:
-			case <-wctx.Done():
+			case <-ctx.Done():
 				if probe {
 					e.breakers.abandonB(ref.b)
 				}
-				return turn{}, wctx.Err()
+				return turn{}, ctx.Err()
 			}
 			now = time.Now()
 		}

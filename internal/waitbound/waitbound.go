@@ -9,8 +9,10 @@
 // the engine its caller's context without the deadline: WithoutDeadline
 // makes it. The engine's timeout then bounds the call once sent, and the
 // caller's end still ends the engine's wait for a connection token and
-// the client's for a connection. Of finds the caller's own context, for an
-// engine without a timeout, whose calls the caller's deadline bounds.
+// the client's for a connection, since the context's Done is the caller's.
+// Of finds the caller's own context, for an engine without a timeout,
+// whose calls the caller's deadline bounds; Hidden tells the engine that
+// the caller's deadline did not bound the call, to judge its error.
 package waitbound
 
 import (
