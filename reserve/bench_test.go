@@ -152,7 +152,7 @@ type instantRedis struct{}
 
 func (instantRedis) reply(ctx context.Context, args []any) *redis.Cmd {
 	cmd := redis.NewCmd(ctx)
-	if len(args) == 5 { // book1.lua: "s u", the key idle, so the request booked at once
+	if len(args) == 4 { // book1.lua: "s u", the key idle, so the request booked at once
 		now := time.Now().UnixMicro()
 		cmd.SetVal(strconv.FormatInt(now/1_000_000, 10) + " " + strconv.FormatInt(now%1_000_000, 10))
 		return cmd

@@ -284,7 +284,7 @@ func TestReviewLateAfterWaitCutAtOnceLostGiveBack(t *testing.T) {
 }
 
 // delayAfterBatch, once armed, holds every reply of p back 1.5 s from the
-// moment a book.lua call (a script call of more than book1.lua's nine
+// moment a book.lua call (a script call of more than book1.lua's eight
 // arguments) is answered, before its caller sees the reply.
 type delayAfterBatch struct {
 	p     *redistest.Proxy
@@ -296,7 +296,7 @@ func (h *delayAfterBatch) DialHook(next redis.DialHook) redis.DialHook { return 
 func (h *delayAfterBatch) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
 		err := next(ctx, cmd)
-		if name := cmd.Name(); (name == "evalsha" || name == "eval") && len(cmd.Args()) > 9 && h.armed.CompareAndSwap(true, false) {
+		if name := cmd.Name(); (name == "evalsha" || name == "eval") && len(cmd.Args()) > 8 && h.armed.CompareAndSwap(true, false) {
 			h.p.SetReplyDelay(1500 * time.Millisecond)
 		}
 		return err

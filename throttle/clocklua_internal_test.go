@@ -94,9 +94,9 @@ for i = 2, #ARGV do
     out[#out + 1] = string.format('%q: stored %s, want %s', v, got, want)
   end
 end
--- The horizon: 366 days, plus 2*tau + I for the key's limit.
+-- The horizon: 366 days, plus 2*(tau + I) for the key's limit.
 for off = -1, 1 do
-  local v = string.format('%d', now + 31622400000000 + 2 * 5000 + 1000 + off)
+  local v = string.format('%d', now + 31622400000000 + 2 * (5000 + 1000) + off)
   redis.call('SET', key, v)
   local ok, got = pcall(stored, key, now, 1000, 5000)
   if ok ~= (off <= 0) or (ok and string.format('%d', got) ~= v) then

@@ -183,38 +183,40 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 		script = bookScript
 		args = append(args, m)
 	}
-	for _, l := range limits {
-		I := l.intervalMicros()
-		args = append(args, I, l.tauMicros())
-	}
-	// book.lua takes runs of requests alike: (count, n, max wait). A run's
-	// count is written once it ends (a count over 255 put in an any on
-	// every request would cost an allocation each).
 	count, runs := 0, 0
-	for i, r := range reqs {
+	if script == book1Script {
+		// book1.lua takes what its decision needs, worked out here: n*I
+		// and tau+I (see the script).
+		r, l := reqs[0], limits[0]
+		if err := checkRequest(r, l); err != nil {
+			return nil, err
+		}
+		I := l.intervalMicros()
+		args = append(args, int64(r.N)*I, l.tauMicros()+I, r.maxWaitMicros())
+	} else {
 		for _, l := range limits {
-			if err := checkRequest(r, l); err != nil {
-				return nil, err
+			args = append(args, l.intervalMicros(), l.tauMicros())
+		}
+		// book.lua takes runs of requests alike: (count, n, max wait). A
+		// run's count is written once it ends (a count over 255 put in an
+		// any on every request would cost an allocation each).
+		for i, r := range reqs {
+			for _, l := range limits {
+				if err := checkRequest(r, l); err != nil {
+					return nil, err
+				}
 			}
-		}
-		same := sameRun(reqs, i)
-		if !same {
+			if sameRun(reqs, i) {
+				count++
+				continue
+			}
 			runs++
-		}
-		switch {
-		case script == book1Script:
-			args = append(args, r.N, r.maxWaitMicros())
-		case same:
-			count++
-		default:
 			if count > 0 {
 				args[len(args)-3] = count
 			}
 			count = 1
 			args = append(args, 0, r.N, r.maxWaitMicros()) // the count once the run ends
 		}
-	}
-	if script == bookScript {
 		args[len(args)-3] = count
 	}
 

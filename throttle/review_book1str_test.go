@@ -470,12 +470,12 @@ func TestReviewBook1StrCorruptLikeBook(t *testing.T) {
 		{value: "9007199254740993", corrupt: true},
 		{value: "9999999999999999", corrupt: true},
 		{value: "99999999999999999", corrupt: true},
-		{value: strconv.FormatInt(now+horizon+2*tau+I, 10), clock: true},
-		{value: strconv.FormatInt(now+horizon+2*tau+I+1, 10), clock: true, corrupt: true},
+		{value: strconv.FormatInt(now+horizon+2*(tau+I), 10), clock: true},
+		{value: strconv.FormatInt(now+horizon+2*(tau+I)+1, 10), clock: true, corrupt: true},
 		{value: strconv.FormatInt(now+horizon, 10), clock: true},
 		{value: strconv.FormatInt(now+horizon+tau, 10), clock: true},
 		{value: strconv.FormatInt(now+horizon+tau+1, 10), clock: true},
-		{value: strconv.FormatInt(now+horizon+2*tau+I+1, 10), corrupt: false}, // on the moving Redis clock: just inside once a µs passed
+		{value: strconv.FormatInt(now+horizon+2*(tau+I)+1, 10), corrupt: false}, // on the moving Redis clock: just inside once a µs passed
 	}
 	// A small explicit clock: leading zeros ahead of now.
 	small := []tc{

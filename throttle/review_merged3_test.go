@@ -74,7 +74,7 @@ func m3Seed(t *testing.T, r *rmaRig, k *m3Key) {
 	case "ahead": // half a year ahead
 		require.NoError(t, r.direct.Set(ctx, full, fmt.Sprint(now+throttle.MaxHorizon.Microseconds()/2), 0).Err())
 	case "edge": // as far ahead as a stored TAT may be, less a second
-		require.NoError(t, r.direct.Set(ctx, full, fmt.Sprint(now+throttle.MaxHorizon.Microseconds()+2*tau+I-1_000_000), 0).Err())
+		require.NoError(t, r.direct.Set(ctx, full, fmt.Sprint(now+throttle.MaxHorizon.Microseconds()+2*(tau+I)-1_000_000), 0).Err())
 	case "horizon": // just inside the horizon for a single unit
 		require.NoError(t, r.direct.Set(ctx, full, fmt.Sprint(now+throttle.MaxHorizon.Microseconds()+tau-2_000_000), 0).Err())
 	case "block":

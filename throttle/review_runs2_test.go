@@ -868,7 +868,7 @@ func TestReviewRuns2Corrupt(t *testing.T) {
 	limits := []throttle.Limit{throttle.PerSecond(10, 4), throttle.PerMinute(40, 6)}
 	reach := func(l throttle.Limit) int64 {
 		I := rv2Interval(l)
-		return int64(throttle.MaxHorizon/time.Microsecond) + 2*I*int64(l.Burst) + I
+		return int64(throttle.MaxHorizon/time.Microsecond) + 2*(I*int64(l.Burst)+I)
 	}
 	reqs := []throttle.Request{{N: 1, MaxWait: throttle.Forever}, {N: 1, MaxWait: throttle.Forever}, {N: 2, MaxWait: 0}}
 	bad := []string{"abc", "12x", "-5", "1e5", " 12", "12345678901234567", "9007199254740993", "too far"}

@@ -58,7 +58,7 @@ local v = redis.call('GET', KEYS[1])
 redis.call('SET', KEYS[1], t[1], 'PX', 1000)
 return 1
 `)
-	// protocolFloorScript is floorScript taking book1.lua's five arguments
+	// protocolFloorScript is floorScript taking book1.lua's four arguments
 	// and answering as book1.lua answers an idle key (TIME's two words,
 	// joined): what slotbook's protocol adds to the three commands before
 	// any arithmetic.

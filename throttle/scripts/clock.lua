@@ -49,9 +49,9 @@ local function stored(key, now, interval, tau)
   end
   -- 31622400000000: the horizon, 366 days in microseconds (the engine's
   -- MaxHorizon). No booking lies further ahead; a stored TAT further ahead
-  -- than the horizon plus what one limit's burst adds is not one slotbook
-  -- wrote.
-  if interval and tat - now > 31622400000000 + 2 * tau + interval then
+  -- than the horizon plus twice what one limit's burst reaches (tau + I)
+  -- is not one slotbook wrote.
+  if interval and tat - now > 31622400000000 + 2 * (tau + interval) then
     return error({err = 'SLOTBOOK_CORRUPT key ' .. key .. ' holds a TAT ' .. string.format('%d', tat - now) ..
       ' microseconds ahead, further than any booking under its limit reaches: Reset the subject'})
   end
