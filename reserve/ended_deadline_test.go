@@ -21,7 +21,8 @@ import (
 // would then lose the reply and the booking with it, its room wasted
 // until its slot passed), and the booking goes back once the reply is
 // in. Every path that books: ReserveN with coalescing on and off,
-// AcquireN, ReserveBatch. The oracle is the textbook GCRA of an untouched
+// AcquireN, ReserveBatch, and check mode (Limiter.AllowN, the engine's
+// AllowN), which counts what it allows. The oracle is the textbook GCRA of an untouched
 // key: Burst+1 units are allowed at once.
 func TestDeadlineInFlightGivesBack(t *testing.T) {
 	t.Parallel()
@@ -44,6 +45,12 @@ func TestDeadlineInFlightGivesBack(t *testing.T) {
 		{"AcquireN uncoalesced", 2, func(ctx context.Context, s string) error { return unco.AcquireN(ctx, s, 2) }},
 		{"ReserveBatch", 3, func(ctx context.Context, s string) error {
 			_, err := unco.ReserveBatch(ctx, s, []reserve.BatchRequest{{N: 1}, {N: 1}})
+			return err
+		}},
+		// Check mode counts the units it allows: the same holds.
+		{"AllowN", 2, func(ctx context.Context, s string) error { _, err := co.AllowN(ctx, s, 2); return err }},
+		{"Engine.AllowN", 2, func(ctx context.Context, s string) error {
+			_, err := eng.AllowN(ctx, "dl:{"+s+"}", lim, 2)
 			return err
 		}},
 	} {

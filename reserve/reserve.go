@@ -275,7 +275,10 @@ func (l *Limiter) Allow(ctx context.Context, key string) (throttle.Result, error
 }
 
 // AllowN reports whether n units may pass for key now, counting them if
-// so, without booking a future slot: check mode.
+// so, without booking a future slot: check mode. As with ReserveN, a ctx
+// that ends while the call is out does not cut it short: the caller gets
+// ctx's error once the reply is in, and what it counted goes back (see
+// throttle.Engine.AllowN).
 func (l *Limiter) AllowN(ctx context.Context, key string, n int) (throttle.Result, error) {
 	k, err := l.engineKey(key)
 	if err != nil {
@@ -285,7 +288,7 @@ func (l *Limiter) AllowN(ctx context.Context, key string, n int) (throttle.Resul
 	switch {
 	case err == nil:
 		l.heartbeat(ctx)
-	case l.useFallback(ctx, k, err) && ctx.Err() == nil:
+	case l.useFallback(ctx, k, err) && ended(ctx) == nil:
 		return l.fallbackAllow(ctx, k, n)
 	}
 	return res, err
@@ -631,35 +634,13 @@ func (l *Limiter) giveBackEnded(ctx context.Context, key string, late []throttle
 	}
 }
 
-// ended returns ctx's error, or context.DeadlineExceeded once its deadline
-// has passed though its timer has yet to say so: a caller whose deadline
-// passed while its call was out has gone, whatever the timer.
-func ended(ctx context.Context) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	if dl, ok := ctx.Deadline(); ok && !time.Now().Before(dl) {
-		return context.DeadlineExceeded
-	}
-	return nil
-}
+// ended is waitbound.Ended: whether a caller has gone.
+func ended(ctx context.Context) error { return waitbound.Ended(ctx) }
 
-// endedErr is the error of a caller whose context ended (err) while its
-// call was out: err, with the call's own error cerr kept in the chain
-// where it tells more (a lost reply, Redis unavailable, an error of
-// Redis's); a call that ended with the context's own error, nothing sent,
-// adds nothing.
+// endedErr is waitbound.EndedErr, keeping a lost reply or Redis
+// unavailable in the chain.
 func endedErr(err, cerr error) error {
-	switch {
-	case cerr == nil:
-		return err
-	case !errors.Is(cerr, err):
-		return fmt.Errorf("%w: %w", err, cerr)
-	case errors.Is(cerr, throttle.ErrReplyLost), errors.Is(cerr, throttle.ErrUnavailable):
-		return cerr
-	default:
-		return err
-	}
+	return waitbound.EndedErr(err, cerr, throttle.ErrReplyLost, throttle.ErrUnavailable)
 }
 
 // lateAfter returns, for a batch of several calls of which some were

@@ -863,6 +863,12 @@ func CheckRequest(r Request, limit Limit) error {
 // than MaxWait is more than the caller accepts.
 func (r Request) maxWaitMicros() int64 { return int64(min(r.MaxWait, MaxHorizon) / time.Microsecond) }
 
+// badInput reports whether err is one of bad input, found before any
+// Redis call.
+func badInput(err error) bool {
+	return errors.Is(err, ErrInvalidRequest) || errors.Is(err, ErrInvalidLimit) || errors.Is(err, ErrExceedsBurst)
+}
+
 func checkRequest(r Request, limit Limit) error {
 	switch {
 	case r.N <= 0:

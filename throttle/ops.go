@@ -43,6 +43,14 @@ func (e *Engine) Allow(ctx context.Context, key string, limit Limit) (Result, er
 // the request was bad (ErrInvalidLimit, ErrExceedsBurst, ErrInvalidRequest;
 // no Redis call made) or Redis failed (ErrUnavailable when it could not be
 // reached).
+//
+// Once sent, the call is not cut short when ctx ends, its deadline
+// included: the engine's timeout bounds the wait for the reply (see
+// WithTimeout; without one, ctx's deadline does, and a reply it cuts off
+// is lost, ErrReplyLost, with its units counted). A caller whose ctx has
+// ended by the time the reply is in gets ctx's error, and the units the
+// call counted are given back (RefundUnused, within a second more), since
+// the caller will not use them.
 func (e *Engine) AllowN(ctx context.Context, key string, limit Limit, n int) (Result, error) {
 	return e.AllowAll(ctx, []string{key}, []Limit{limit}, n)
 }
@@ -51,9 +59,23 @@ func (e *Engine) AllowN(ctx context.Context, key string, limit Limit, n int) (Re
 // of limits[i]): n units pass only if every limit allows them now, and then
 // count in all of them. The keys must share a hash tag.
 func (e *Engine) AllowAll(ctx context.Context, keys []string, limits []Limit, n int) (Result, error) {
-	// Check mode goes alone: an answer now, one call per request, cut
-	// short by the caller's context as always (see WithMerging).
-	bs, err := e.book(ctx, keys, limits, []Request{{N: n, MaxWait: 0}}, false)
+	// Check mode goes alone: an answer now, one call per request (see
+	// WithMerging). It goes out without the caller's deadline, as
+	// package reserve's bookings do (see internal/waitbound): the
+	// deadline put on the socket would cut the read of a reply that
+	// counted the units, which would then stand unused.
+	bs, err := e.book(waitbound.WithoutDeadline(ctx), keys, limits, []Request{{N: n, MaxWait: 0}}, false)
+	if cause := waitbound.Ended(ctx); cause != nil && !badInput(err) {
+		if err == nil && bs[0].OK {
+			// The caller has gone and will not act on the units: give
+			// them back, as an unused booking (RefundUnused), within a
+			// second of their own.
+			gctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+			_, _ = e.RefundUnused(gctx, keys, limits, bs[0])
+			cancel()
+		}
+		return Result{}, waitbound.EndedErr(cause, err, ErrReplyLost, ErrUnavailable)
+	}
 	if err != nil {
 		return Result{}, err
 	}

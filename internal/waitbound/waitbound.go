@@ -1,6 +1,7 @@
-// Package waitbound lets package reserve send a call that its caller's
-// deadline does not cut short once it is sent, while the caller's end
-// still ends the call's waits before anything is sent.
+// Package waitbound lets package reserve, and the engine's check mode,
+// send a call that its caller's deadline does not cut short once it is
+// sent, while the caller's end still ends the call's waits before
+// anything is sent.
 //
 // go-redis puts a context's deadline on the socket (a reply that comes
 // after it is lost) but watches the context's Done only while a call
@@ -12,11 +13,15 @@
 // the client's for a connection, since the context's Done is the caller's.
 // Of finds the caller's own context, for an engine without a timeout,
 // whose calls the caller's deadline bounds; Hidden tells the engine that
-// the caller's deadline did not bound the call, to judge its error.
+// the caller's deadline did not bound the call, to judge its error. Ended
+// and EndedErr tell whether the caller has gone once the reply is in, and
+// with what error.
 package waitbound
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"time"
 )
 
@@ -56,4 +61,37 @@ func Of(ctx context.Context) context.Context {
 func Hidden(ctx context.Context) (context.Context, bool) {
 	u, ok := ctx.(undated)
 	return u.Context, ok
+}
+
+// Ended returns ctx's error, or context.DeadlineExceeded once its deadline
+// has passed though its timer has yet to say so: a caller whose deadline
+// passed while its call was out has gone, whatever the timer.
+func Ended(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if dl, ok := ctx.Deadline(); ok && !time.Now().Before(dl) {
+		return context.DeadlineExceeded
+	}
+	return nil
+}
+
+// EndedErr is the error of a caller whose context ended (err, Ended's)
+// while its call was out: err, with the call's own error cerr kept in the
+// chain where it tells more (an error other than the context's, or one of
+// tells, such as a lost reply); a call that ended with the context's own
+// error, nothing sent, adds nothing.
+func EndedErr(err, cerr error, tells ...error) error {
+	switch {
+	case cerr == nil:
+		return err
+	case !errors.Is(cerr, err):
+		return fmt.Errorf("%w: %w", err, cerr)
+	}
+	for _, t := range tells {
+		if errors.Is(cerr, t) {
+			return cerr
+		}
+	}
+	return err
 }

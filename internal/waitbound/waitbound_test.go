@@ -2,6 +2,8 @@ package waitbound
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"testing"
 	"time"
 )
@@ -52,5 +54,52 @@ func TestWithoutDeadline(t *testing.T) {
 	}
 	if u.Err() != context.Canceled {
 		t.Fatalf("Err after the caller's end: %v", u.Err())
+	}
+}
+
+func TestEnded(t *testing.T) {
+	if Ended(context.Background()) != nil {
+		t.Fatal("a context with no end has ended")
+	}
+	// A deadline passed though the timer has yet to fire (a context type
+	// of our own, whose Err stays nil): ended all the same.
+	if err := Ended(passed{context.Background()}); err != context.DeadlineExceeded {
+		t.Fatalf("a passed deadline: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if Ended(ctx) != context.Canceled {
+		t.Fatal("a cancelled context has not ended")
+	}
+}
+
+type passed struct{ context.Context }
+
+func (passed) Deadline() (time.Time, bool) { return time.Now().Add(-time.Millisecond), true }
+
+func TestEndedErr(t *testing.T) {
+	lost := errors.New("lost")
+	other := errors.New("other")
+	dl := context.DeadlineExceeded
+	for _, tc := range []struct {
+		name      string
+		cerr      error
+		want      []error
+		wantPlain bool
+	}{
+		{"no call error", nil, []error{dl}, true},
+		{"the context's own, nothing sent", fmt.Errorf("book: %w", dl), []error{dl}, true},
+		{"the context's, with a lost reply", fmt.Errorf("%w: %w", lost, dl), []error{dl, lost}, false},
+		{"another error", other, []error{dl, other}, false},
+	} {
+		got := EndedErr(dl, tc.cerr, lost)
+		for _, w := range tc.want {
+			if !errors.Is(got, w) {
+				t.Errorf("%s: %v is not %v", tc.name, got, w)
+			}
+		}
+		if tc.wantPlain != (got == dl) {
+			t.Errorf("%s: %v, plain %v", tc.name, got, tc.wantPlain)
+		}
 	}
 }
