@@ -37,7 +37,10 @@ func (w Window) Validate() error {
 
 // AllowWindow reports whether n events may happen for key now under the
 // exact window w, and records them if so. RetryAfter, for a denial, is the
-// exact time until enough past events leave the window.
+// exact time until enough past events leave the window. Unlike AllowN, the
+// call is bounded by ctx, deadline included: a reply the deadline cuts off
+// is lost (ErrReplyLost), and the events it recorded stay in the window,
+// which has no give-back.
 func (e *Engine) AllowWindow(ctx context.Context, key string, w Window, n int) (Result, error) {
 	if err := w.Validate(); err != nil {
 		return Result{}, err
