@@ -65,6 +65,16 @@ func (e *Engine) AllowAll(ctx context.Context, keys []string, limits []Limit, n 
 	// deadline put on the socket would cut the read of a reply that
 	// counted the units, which would then stand unused.
 	bs, err := e.book(waitbound.WithoutDeadline(ctx), keys, limits, []Request{{N: n, MaxWait: 0}}, false)
+	if err == nil {
+		// The decision is Redis's, made whether or not the caller is
+		// still there to hear it (a reservation's is counted alike, and
+		// a give-back counted as a refund).
+		if b := bs[0]; b.OK {
+			e.observer.ObserveDecision(label(keys[0]), Allowed, 0)
+		} else {
+			e.observer.ObserveDecision(label(keys[0]), Denied, b.Wait)
+		}
+	}
 	if cause := waitbound.Ended(ctx); cause != nil && !badInput(err) {
 		if err == nil && bs[0].OK {
 			// The caller has gone and will not act on the units: give
@@ -91,11 +101,8 @@ func (e *Engine) AllowAll(ctx context.Context, keys []string, limits []Limit, n 
 		r.Remaining = min(r.Remaining, int(remaining))
 		r.ResetAfter = max(r.ResetAfter, time.Duration(max(0, b.ends[i]-b.now))*time.Microsecond)
 	}
-	if b.OK {
-		e.observer.ObserveDecision(label(keys[0]), Allowed, 0)
-	} else {
+	if !b.OK {
 		r.RetryAfter = b.Wait
-		e.observer.ObserveDecision(label(keys[0]), Denied, b.Wait)
 	}
 	return r, nil
 }
