@@ -200,7 +200,7 @@ func (l *Limiter) lead(key string, ks *keyState, c *call) {
 // context ended meanwhile gets the context's error, and anything booked for
 // it is given back.
 func (c *call) finish() (*Reservation, error) {
-	err := ended(c.ctx)
+	err := waitbound.Ended(c.ctx)
 	if err == nil {
 		return c.res, c.err
 	}

@@ -288,7 +288,7 @@ func (l *Limiter) AllowN(ctx context.Context, key string, n int) (throttle.Resul
 	switch {
 	case err == nil:
 		l.heartbeat(ctx)
-	case l.useFallback(ctx, k, err) && ended(ctx) == nil:
+	case l.useFallback(ctx, k, err) && waitbound.Ended(ctx) == nil:
 		return l.fallbackAllow(ctx, k, n)
 	}
 	return res, err
@@ -428,7 +428,7 @@ func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequ
 	// Once sent, the call is not cut short by ctx's deadline (see
 	// sendAlone).
 	late := l.book(waitbound.WithoutDeadline(ctx), k, calls)
-	if err := ended(ctx); err != nil {
+	if err := waitbound.Ended(ctx); err != nil {
 		// Ended in flight: the caller never had its answer. As ReserveN's,
 		// it gets its context's error, and what was booked goes back
 		// before it returns.
@@ -633,9 +633,6 @@ func (l *Limiter) giveBackEnded(ctx context.Context, key string, late []throttle
 		}
 	}
 }
-
-// ended is waitbound.Ended: whether a caller has gone.
-func ended(ctx context.Context) error { return waitbound.Ended(ctx) }
 
 // endedErr is waitbound.EndedErr, keeping a lost reply or Redis
 // unavailable in the chain.
