@@ -104,9 +104,11 @@
 // one call for the breaker and the timeout, and for the Observer one for
 // each limiter name among its keys (ObserveCall); each booking's error is
 // the call's: a lost reply is ErrReplyLost for every booking in it. A
-// request leaves while it waits, as a call at the gate does; once sent, its answer comes with the call's, bounded by the
-// engine's timeout rather than by its own context (a caller whose context
-// ends meanwhile gets its booking, not ErrReplyLost). A booking whose key
+// request leaves while it waits, as a call at the gate does; once sent,
+// its answer comes with the call's, bounded by the engine's timeout rather
+// than by its own context (a caller whose context ends meanwhile gets its
+// context's error, not ErrReplyLost, and its booking is given back, as
+// for a call alone: see BookAll). A booking whose key
 // holds a value that is not a TAT, or cannot be written (out of memory),
 // or that the server refuses the call for (NOPERM: an ACL user may not
 // touch one of the keys) is sent again alone, and gets its own answer. A

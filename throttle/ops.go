@@ -76,14 +76,9 @@ func (e *Engine) AllowAll(ctx context.Context, keys []string, limits []Limit, n 
 		}
 	}
 	if cause := waitbound.Ended(ctx); cause != nil && !badInput(err) {
-		if err == nil && bs[0].OK {
-			// The caller has gone and will not act on the units: give
-			// them back, as an unused booking (RefundUnused), within a
-			// second of their own.
-			gctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
-			_, _ = e.RefundUnused(gctx, keys, limits, bs[0])
-			cancel()
-		}
+		// The caller has gone and will not act on the units: give them
+		// back, as an unused booking.
+		e.giveBackEnded(ctx, keys, limits, bs)
 		return Result{}, waitbound.EndedErr(cause, err, ErrReplyLost, ErrUnavailable)
 	}
 	if err != nil {
@@ -159,8 +154,10 @@ func (e *Engine) Book(ctx context.Context, key string, limit Limit, req Request)
 // Bad input (an invalid limit, an empty or over-long key, N <= 0,
 // N > Burst+1, a negative MaxWait, no requests or more than MaxBatch) is
 // reported before any Redis call. A single request that finds every
-// connection busy may share its call with other keys' (see WithMerging):
-// once sent, it is not cut short when ctx ends.
+// connection busy may share its call with other keys' (see WithMerging).
+// Once sent, the call is not cut short when ctx ends, and a caller whose
+// ctx has ended by the time the reply is in gets ctx's error, what it
+// booked given back (see BookAll).
 func (e *Engine) BookBatch(ctx context.Context, key string, limit Limit, reqs []Request) ([]Booking, error) {
 	return e.BookAll(ctx, []string{key}, []Limit{limit}, reqs)
 }
@@ -170,8 +167,21 @@ func (e *Engine) BookBatch(ctx context.Context, key string, limit Limit, reqs []
 // request's slot is the earliest time every limit allows it, and if it is
 // booked, every limit counts it. The keys must share a hash tag ("{...}",
 // see HashTag) so that a Redis Cluster holds them on one node.
+//
+// Once sent, the call is not cut short when ctx ends, its deadline
+// included: the engine's timeout bounds the wait for the reply (see
+// WithTimeout; without one, ctx's deadline does, and a reply it cuts off
+// is lost, ErrReplyLost, with its slots booked). A caller whose ctx has
+// ended by the time the reply is in gets ctx's error, and what the call
+// booked is given back (RefundUnused, the latest booking first, each
+// within a second more), since the caller will not use it. Book and
+// BookBatch are BookAll.
 func (e *Engine) BookAll(ctx context.Context, keys []string, limits []Limit, reqs []Request) ([]Booking, error) {
-	bs, err := e.book(ctx, keys, limits, reqs, true)
+	// Sent without the caller's deadline, as check mode is (see AllowAll).
+	// A context package reserve has hidden the deadline of is reserve's
+	// call: reserve gives back for its callers itself.
+	_, managed := waitbound.Hidden(ctx)
+	bs, err := e.book(waitbound.WithoutDeadline(ctx), keys, limits, reqs, true)
 	for _, b := range bs {
 		if b.OK {
 			e.observer.ObserveDecision(label(keys[0]), Booked, b.Wait)
@@ -179,7 +189,33 @@ func (e *Engine) BookAll(ctx context.Context, keys []string, limits []Limit, req
 			e.observer.ObserveDecision(label(keys[0]), Refused, b.Wait)
 		}
 	}
+	if managed || badInput(err) {
+		return bs, err
+	}
+	if cause := waitbound.Ended(ctx); cause != nil {
+		e.giveBackEnded(ctx, keys, limits, bs)
+		return nil, waitbound.EndedErr(cause, err, ErrReplyLost, ErrUnavailable)
+	}
 	return bs, err
+}
+
+// giveBackEnded gives back bs, booked for a caller that has gone, the
+// latest first, so that each gives its room back (nothing it knows of
+// stands on it), each within a second of its own; it stops at the first
+// that fails, as the bookings under it could give nothing back while it
+// stands.
+func (e *Engine) giveBackEnded(ctx context.Context, keys []string, limits []Limit, bs []Booking) {
+	for _, b := range slices.Backward(bs) {
+		if !b.OK {
+			continue
+		}
+		gctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		_, err := e.RefundUnused(gctx, keys, limits, b)
+		cancel()
+		if err != nil {
+			return
+		}
+	}
 }
 
 // book books reqs for keys under limits; merge lets a single request
