@@ -719,8 +719,9 @@ func TestReviewMWRepliesLostTokenless(t *testing.T) {
 // TestReviewMWCallerEndsAfterSend: WithMergeAt(1), WithMergeWait(50ms),
 // replies held back 500 ms. A batch goes without the token at ~50 ms; a
 // member whose context ends at 200 ms (after its call was sent, before
-// its reply) gets its booking, not ErrReplyLost, as the package doc says;
-// a member whose context ended at 20 ms (before) left with its error.
+// its reply) gets its context's error, not ErrReplyLost, and its booking
+// is given back, as the package doc says (a deadline and a cancel); a
+// member whose context ended at 20 ms (before) left with its error.
 func TestReviewMWCallerEndsAfterSend(t *testing.T) {
 	t.Parallel()
 	r := mwEngine(t, redistest.Start(t), 6, 500*time.Millisecond, throttle.WithMergeAt(1), throttle.WithMergeWait(50*time.Millisecond))
@@ -742,13 +743,26 @@ func TestReviewMWCallerEndsAfterSend(t *testing.T) {
 		require.NoError(t, err)
 	}
 	for i, o := range outs {
-		if i == 2 {
+		switch i {
+		case 2:
 			require.ErrorIs(t, o.err, context.DeadlineExceeded)
 			r.requireEmpty(t, o.key, "left before its batch was sent")
-			continue
+		case 1, 3:
+			want := map[int]error{1: context.DeadlineExceeded, 3: context.Canceled}[i]
+			require.ErrorIs(t, o.err, want, o.key)
+			require.NotErrorIs(t, o.err, throttle.ErrReplyLost, o.key)
+			// Given back: the key holds no TAT ahead of Redis's clock.
+			v, err := r.direct.Get(context.Background(), r.prefix+o.key).Int64()
+			if !errors.Is(err, redis.Nil) {
+				require.NoError(t, err, o.key)
+				tm, err := r.direct.Time(context.Background()).Result()
+				require.NoError(t, err)
+				require.LessOrEqual(t, v, tm.UnixMicro(), "%s: its booking given back", o.key)
+			}
+		default:
+			require.NoError(t, o.err, o.key)
+			r.mwBookedOnce(t, o)
 		}
-		require.NoError(t, o.err, o.key)
-		r.mwBookedOnce(t, o)
 	}
 }
 
