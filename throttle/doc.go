@@ -107,8 +107,9 @@
 // request leaves while it waits, as a call at the gate does; once sent,
 // its answer comes with the call's, bounded by the engine's timeout rather
 // than by its own context (a caller whose context ends meanwhile gets its
-// context's error, not ErrReplyLost, and its booking is given back, as
-// for a call alone: see BookAll). A booking whose key
+// context's error, with ErrReplyLost only if the reply was lost to the
+// engine's timeout, and its booking is given back, as for a call alone:
+// see BookAll). A booking whose key
 // holds a value that is not a TAT, or cannot be written (out of memory),
 // or that the server refuses the call for (NOPERM: an ACL user may not
 // touch one of the keys) is sent again alone, and gets its own answer. A

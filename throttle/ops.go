@@ -173,7 +173,7 @@ func (e *Engine) BookBatch(ctx context.Context, key string, limit Limit, reqs []
 // WithTimeout; without one, ctx's deadline does, and a reply it cuts off
 // is lost, ErrReplyLost, with its slots booked). A caller whose ctx has
 // ended by the time the reply is in gets ctx's error, and what the call
-// booked is given back (RefundUnused, the latest booking first, each
+// booked is given back (RefundUnused, in one call for all its bookings,
 // within a second more), since the caller will not use it. Book and
 // BookBatch are BookAll.
 func (e *Engine) BookAll(ctx context.Context, keys []string, limits []Limit, reqs []Request) ([]Booking, error) {
@@ -199,23 +199,41 @@ func (e *Engine) BookAll(ctx context.Context, keys []string, limits []Limit, req
 	return bs, err
 }
 
-// giveBackEnded gives back bs, booked for a caller that has gone, the
-// latest first, so that each gives its room back (nothing it knows of
-// stands on it), each within a second of its own; it stops at the first
-// that fails, as the bookings under it could give nothing back while it
-// stands.
+// giveBackEnded gives back bs, booked in one call for a caller that has
+// gone, in one refund (RefundUnused) within a second of its own. The
+// bookings of a call stand end to end on each key (each booked from where
+// the one before it left the key), so together they are one booking, from
+// the first's start to the last's end: refund.lua gives it back while
+// nothing booked since stands on it, as it would give them back one by
+// one, latest first, in as many round trips (or give nothing, as each of
+// them would, if something does).
 func (e *Engine) giveBackEnded(ctx context.Context, keys []string, limits []Limit, bs []Booking) {
-	for _, b := range slices.Backward(bs) {
-		if !b.OK {
-			continue
-		}
-		gctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
-		_, err := e.RefundUnused(gctx, keys, limits, b)
-		cancel()
-		if err != nil {
-			return
+	var first, last *Booking
+	for i := range bs {
+		if bs[i].OK {
+			if first == nil {
+				first = &bs[i]
+			}
+			last = &bs[i]
 		}
 	}
+	if first == nil {
+		return
+	}
+	b := *last
+	if first != last {
+		b.N, b.starts = 0, first.starts
+		for _, x := range bs {
+			if x.OK {
+				b.N += x.N
+			}
+		}
+		// A booking of its own: its tombstone is not the last one's.
+		b.id, b.way = rand.Uint64(), new(atomic.Uint32)
+	}
+	gctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+	defer cancel()
+	_, _ = e.RefundUnused(gctx, keys, limits, b)
 }
 
 // book books reqs for keys under limits; merge lets a single request
