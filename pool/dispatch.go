@@ -2,6 +2,7 @@ package pool
 
 import (
 	"cmp"
+	"container/heap"
 	"context"
 	"errors"
 	"fmt"
@@ -122,6 +123,7 @@ func (p *Pool) takeRefundsLocked(now time.Time) []*Job {
 		}
 		return true
 	})
+	p.handDownLocked(now)
 	give, owe := refundable(p.slots, p.owed, p.closed, func(key string) bool { return p.flying[key] > 0 || p.giving[key] > 0 })
 	defer p.gave.Broadcast() // lease goroutines waiting on owed bookings look again
 	p.owed = slices.DeleteFunc(p.owed, func(j *Job) bool { return slices.Contains(give, j) })
@@ -139,6 +141,93 @@ func (p *Pool) takeRefundsLocked(now time.Time) []*Job {
 		p.moveLocked(j, done, j.err)
 	}
 	return give
+}
+
+// handDownLocked hands the slots of a key that will not be used (those of
+// booked jobs whose context has ended, and owed bookings) down to the
+// key's later booked jobs that are still wanted, in their order, so that
+// the wanted jobs hold the key's earliest slots and the rest lie above
+// them, for refundable to give back in full once the key is not busy. A
+// slot left under a wanted booking would give nothing back and pass
+// unused once that one runs. Only slots that have not come change hands
+// (a job starts at the slot it is handed, never after it: a slot passed
+// unused is not run late), and only OK bookings made in Redis (see
+// handable): every slot a job runs in was booked, for one unit (the
+// pool's every request), by this pool, for a job that did not run in it.
+// An owed booking handed on is replaced by one that belongs to no job
+// (its job is done, and its fields are read without the lock). p.mu is
+// held.
+func (p *Pool) handDownLocked(now time.Time) {
+	if p.closed || !slices.ContainsFunc(p.slots, func(j *Job) bool { return j.ctx.Err() != nil }) && !slices.ContainsFunc(p.owed, func(j *Job) bool { return handable(j, now) }) {
+		return
+	}
+	type slot struct {
+		j      *Job
+		owed   int  // its index in p.owed, or -1 for a booked job
+		wanted bool // as looked at once
+		// the booking it holds
+		res     *reserve.Reservation
+		at, act time.Time
+		seq     uint64
+	}
+	byKey := make(map[string][]slot)
+	for _, j := range p.slots {
+		if handable(j, now) {
+			byKey[j.key] = append(byKey[j.key], slot{j: j, owed: -1, wanted: j.ctx.Err() == nil, res: j.res, at: j.at, act: j.act, seq: j.seq})
+		}
+	}
+	for i, j := range p.owed {
+		if handable(j, now) {
+			byKey[j.key] = append(byKey[j.key], slot{j: j, owed: i, res: j.res, at: j.at, act: j.act, seq: j.seq})
+		}
+	}
+	moved := false
+	for _, ss := range byKey {
+		slices.SortFunc(ss, func(a, b slot) int { return cmp.Or(a.at.Compare(b.at), cmp.Compare(a.seq, b.seq)) })
+		w := 0
+		for _, s := range ss {
+			if s.wanted {
+				w++
+			}
+		}
+		if !slices.ContainsFunc(ss[:w], func(s slot) bool { return !s.wanted }) {
+			continue // the wanted ones hold the earliest slots already
+		}
+		// The wanted in order take the earliest slots, the others the rest.
+		order := slices.Clone(ss)
+		slices.SortStableFunc(order, func(a, b slot) int {
+			switch {
+			case a.wanted == b.wanted:
+				return 0
+			case a.wanted:
+				return -1
+			}
+			return 1
+		})
+		for k, s := range order {
+			to := ss[k]
+			if s.j.res == to.res {
+				continue
+			}
+			j := s.j
+			if s.owed >= 0 && j.state == done {
+				j = &Job{key: j.key, ctx: j.ctx, state: done, index: -1} // one of no job's
+				p.owed[s.owed] = j
+			}
+			j.res, j.at, j.act, j.seq = to.res, to.at, to.act, to.seq
+			moved = true
+		}
+	}
+	if moved {
+		heap.Init(&p.slots)
+	}
+}
+
+// handable reports whether j's booking (a booked job's, or an owed one)
+// may change hands: an OK booking made in Redis (not a fallback's local
+// one, which is no slot of the shared limit) whose slot has not come.
+func handable(j *Job, now time.Time) bool {
+	return j.res != nil && j.res.OK() && !j.res.Fallback() && j.act.After(now)
 }
 
 // endErr is the outcome of a booked job that will not run.

@@ -34,19 +34,24 @@
 //     goes back to the front of the backlog, and its key is not booked again
 //     until the slot would fit.
 //   - Cancellation. A job whose context ends before its function starts
-//     does not run. If it was booked, its booking is given back, the
-//     latest booking first, so that each give-back finds no later booking
-//     of the pool on its key: before the job reports done, if no later
-//     booking of its key is still wanted. If one is, the job reports done
-//     at once and its booking is owed: given back once the later ones are
-//     (so jobs cancelled in any order give back all their room), or
-//     forgotten once its slot has come (a later booking that runs stands
-//     on it, and it could give nothing back). A booking refused on
-//     arrival because the reply's latency left its job too little time is
-//     owed in the same way. While a booking call for a key is in flight
-//     (with WithLease, jobs book one by one), no booking of that key is
-//     given back: the call may book after them. Job.Reservation hands out
-//     a view: a caller's Cancel of it cannot get in the way.
+//     does not run. If it was booked, its slot is handed down: the booked
+//     jobs of its key that are still wanted take the key's earliest slots,
+//     in their order (each starts at a slot no later than its own), and the
+//     slots left over, the latest, are given back. A booking gives its room
+//     back only while no later booking stands on its key, so the pool gives
+//     back the latest first, before the job reports done, unless a booking
+//     call of the key is in flight (it may book after them; with
+//     WithLease, jobs book one by one) or a wanted booking that cannot
+//     change hands (below) stands above. Then the job reports done at once
+//     and its booking is owed: handed down in turn once it can be, given
+//     back once nothing wanted stands on it (so jobs cancelled in any order
+//     give back all their room), or forgotten once its slot has come. Only
+//     slots that have not come change hands (a slot passed unused is not
+//     run late), and only bookings made in Redis, not a fallback's. A
+//     booking refused on arrival because the reply's latency left its job
+//     too little time is owed, and not handed down: it is a refusal, no
+//     slot to run in. Job.Reservation hands out a view: a caller's Cancel
+//     of it cannot get in the way.
 //   - Failures. A batch whose Redis call fails ends its jobs with the error
 //     (a lost reply may have booked; nothing is given back for it).
 //   - Panics. A job's panic becomes its error, a *PanicError with the panic

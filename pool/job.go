@@ -71,12 +71,14 @@ func (j *Job) Started() time.Time {
 	return j.started
 }
 
-// Reservation waits for the job to finish and returns the reservation made
-// for it (nil if none was), as a view (see reserve.Reservation.View): its
-// Booking gives the slot on the Redis clock, and its Cancel does nothing,
-// for the booking of a job that did not run is the pool's to give back,
-// after any later booking of its key (see Cancellation in the package
-// doc).
+// Reservation waits for the job to finish and returns the reservation it
+// held (nil if it was never booked), as a view (see
+// reserve.Reservation.View): its Booking gives the slot on the Redis
+// clock, and its Cancel does nothing, for the booking of a job that did
+// not run is the pool's to give back, after any later booking of its key
+// (see Cancellation in the package doc). A job may hold another booking of
+// its key than the one its batch made for it: an earlier one handed down
+// to it, or, cancelled, the later one it gave back in its place.
 func (j *Job) Reservation() *reserve.Reservation {
 	<-j.done
 	if j.res == nil {

@@ -266,11 +266,13 @@ func TestReviewOwedKeptRun(t *testing.T) {
 }
 
 // TestReviewOwedSlotCome: on a 200 ms limit, jobs cancelled under a later
-// one still wanted are owed; their slots come and go (they are
-// forgotten), then the later one is cancelled (given back) or Close
-// comes. Nothing runs, every job is done, and the key ends no later than
-// the TAT the owed ones left (they could give nothing back once their
-// slots came), and Close/cancel still returns.
+// one still wanted; then the later one is cancelled or Close comes, after
+// the first slots have come. Written when such jobs were owed until their
+// slots came and went (forgotten); since the pool hands slots down, the
+// wanted job takes the first of them (it may run, at a slot no earlier
+// than the textbook's next after the head) and the rest go back. Nothing
+// else runs, every job is done, Close/cancel still returns, and the key
+// ends no later than the end of the latest booking whose slot has come.
 func TestReviewOwedSlotCome(t *testing.T) {
 	t.Parallel()
 	e := newReviewEnv(t, 0)
@@ -325,8 +327,14 @@ func TestReviewOwedSlotCome(t *testing.T) {
 			require.NoError(t, p.Close(context.Background()))
 			now, err := e.direct.Time(context.Background()).Result()
 			require.NoError(t, err)
-			for i, oj := range js {
+			for i, oj := range js[:n-1] {
 				require.True(t, oj.j.Started().IsZero(), "job %d ran", i)
+			}
+			if last := js[n-1].j; !last.Started().IsZero() {
+				// Handed down a slot: never before the textbook's next one
+				// after the head, never before its own slot.
+				require.GreaterOrEqual(t, last.Reservation().Booking().At.UnixMicro(), head+owedFastI, "the wanted job's slot")
+				require.False(t, last.Started().Before(last.Slot()), "the wanted job started before its slot")
 			}
 			// Bookings whose slot had not come by now gave back; those whose
 			// slot came gave nothing. So the TAT is at most the end of the
