@@ -56,7 +56,7 @@ func (p *Pool) dispatch() {
 			p.flying[key]++ // until book has the answers
 		}
 		if len(p.slots) > 0 {
-			wakeAt = earliest(wakeAt, p.slots[0].res.SlotAt())
+			wakeAt = earliest(wakeAt, p.slots[0].act)
 		}
 		p.mu.Unlock()
 
@@ -184,29 +184,39 @@ func (p *Pool) handDownLocked(now time.Time) {
 	moved := false
 	for _, ss := range byKey {
 		slices.SortFunc(ss, func(a, b slot) int { return cmp.Or(a.at.Compare(b.at), cmp.Compare(a.seq, b.seq)) })
-		w := 0
-		for _, s := range ss {
+		// holder[k] is the slot (of ss) now taking ss[k]'s booking, or -1
+		// while it is free: at first each wanted job holds its own, and
+		// the others' are free. Each wanted job in turn, the earliest
+		// first, moves to the earliest free booking below its own.
+		holder := make([]int, len(ss))
+		for k, s := range ss {
+			holder[k] = -1
 			if s.wanted {
-				w++
+				holder[k] = k
 			}
 		}
-		if !slices.ContainsFunc(ss[:w], func(s slot) bool { return !s.wanted }) {
-			continue // the wanted ones hold the earliest slots already
-		}
-		// The wanted in order take the earliest slots, the others the rest.
-		order := slices.Clone(ss)
-		slices.SortStableFunc(order, func(a, b slot) int {
-			switch {
-			case a.wanted == b.wanted:
-				return 0
-			case a.wanted:
-				return -1
+		for w, s := range ss {
+			if !s.wanted {
+				continue
 			}
-			return 1
-		})
-		for k, s := range order {
-			to := ss[k]
-			if s.j.res == to.res {
+			if k := slices.Index(holder[:w], -1); k >= 0 {
+				holder[k], holder[w] = w, -1
+			}
+		}
+		// The others take the bookings left free, in order.
+		k := 0
+		for i, s := range ss {
+			if s.wanted {
+				continue
+			}
+			for holder[k] >= 0 {
+				k++
+			}
+			holder[k] = i
+		}
+		for k, i := range holder {
+			s, to := ss[i], ss[k]
+			if s.res == to.res {
 				continue
 			}
 			j := s.j
@@ -215,6 +225,16 @@ func (p *Pool) handDownLocked(now time.Time) {
 				p.owed[s.owed] = j
 			}
 			j.res, j.at, j.act, j.seq = to.res, to.at, to.act, to.seq
+			if s.wanted {
+				// Each reply bounds the Redis clock at any local time (it
+				// had reached the decision when the reply came), so a
+				// slot's local start may count from either: the
+				// booking's own reply, or the job's, whichever says
+				// earlier. (Counted only from the booking's, a job handed
+				// an earlier slot whose reply was slower would start later
+				// than at its own.)
+				j.act = earliest(to.act, to.at.Add(s.act.Sub(s.at)))
+			}
 			moved = true
 		}
 	}
@@ -312,7 +332,7 @@ func (p *Pool) giveBack(js []*Job) {
 
 // startDueLocked starts the booked jobs whose slot has come. p.mu is held.
 func (p *Pool) startDueLocked(now time.Time) {
-	for len(p.slots) > 0 && !p.slots[0].res.SlotAt().After(now) {
+	for len(p.slots) > 0 && !p.slots[0].act.After(now) {
 		p.moveLocked(p.slots[0], running, nil)
 	}
 }

@@ -5,7 +5,7 @@ type jobHeap []*Job
 
 func (h jobHeap) Len() int { return len(h) }
 func (h jobHeap) Less(i, k int) bool {
-	return h[i].res.SlotAt().Before(h[k].res.SlotAt())
+	return h[i].act.Before(h[k].act)
 }
 func (h jobHeap) Swap(i, k int) {
 	h[i], h[k] = h[k], h[i]

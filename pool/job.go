@@ -78,7 +78,9 @@ func (j *Job) Started() time.Time {
 // not run is the pool's to give back, after any later booking of its key
 // (see Cancellation in the package doc). A job may hold another booking of
 // its key than the one its batch made for it: an earlier one handed down
-// to it, or, cancelled, the later one it gave back in its place.
+// to it, or, cancelled, a later one it took in its place. A cancelled
+// job's booking is the one it held when it was done: the pool may hand it
+// down to another job after that (an owed booking), which then runs in it.
 func (j *Job) Reservation() *reserve.Reservation {
 	<-j.done
 	if j.res == nil {
@@ -88,13 +90,16 @@ func (j *Job) Reservation() *reserve.Reservation {
 }
 
 // Slot waits for the job to finish and returns the local time of its
-// booked slot, or the zero Time if it was never booked.
+// booked slot, when it could start, or the zero Time if it was never
+// booked. For a slot handed down to it (see Cancellation in the package
+// doc) it is counted from the job's own reply, so it may be earlier than
+// its Reservation's SlotAt, which counts from the reply that booked it.
 func (j *Job) Slot() time.Time {
 	<-j.done
 	if j.res == nil || !j.res.OK() {
 		return time.Time{}
 	}
-	return j.res.SlotAt()
+	return j.act
 }
 
 // A PanicError is the error of a job whose function panicked. The pool

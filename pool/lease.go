@@ -1,6 +1,7 @@
 package pool
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"slices"
@@ -154,12 +155,21 @@ func (p *Pool) takeLease(ctx context.Context, key string) (release func(), err e
 }
 
 // givableOwedLocked reports whether key has owed bookings that no booking
-// still wanted stands on: the dispatcher's next look gives them back.
-// (Owed bookings lie under the key's latest wanted one, if any.) p.mu is
-// held.
+// still wanted stands on: the dispatcher's next look gives them back. (An
+// owed booking may lie under the key's latest wanted one, or above every
+// wanted one once slots were handed down.) p.mu is held.
 func (p *Pool) givableOwedLocked(key string) bool {
-	if !slices.ContainsFunc(p.owed, func(j *Job) bool { return j.key == key }) {
-		return false
+	var top *Job // the key's latest wanted booking
+	for _, j := range p.slots {
+		if j.key == key && j.ctx.Err() == nil && (top == nil || later(j, top)) {
+			top = j
+		}
 	}
-	return !slices.ContainsFunc(p.slots, func(j *Job) bool { return j.key == key && j.ctx.Err() == nil })
+	return slices.ContainsFunc(p.owed, func(j *Job) bool { return j.key == key && (top == nil || later(j, top)) })
+}
+
+// later reports whether a's booking comes after b's on their key: by slot
+// on the Redis clock, then by order of booking.
+func later(a, b *Job) bool {
+	return cmp.Or(a.at.Compare(b.at), cmp.Compare(a.seq, b.seq)) > 0
 }
