@@ -149,11 +149,12 @@ func (p *Pool) takeRefundsLocked(now time.Time) []*Job {
 // the wanted jobs hold the key's earliest slots and the rest lie above
 // them, for refundable to give back in full once the key is not busy. A
 // slot left under a wanted booking would give nothing back and pass
-// unused once that one runs. Only slots that have not come change hands
-// (a job starts at the slot it is handed, never after it: a slot passed
-// unused is not run late), and only OK bookings made in Redis (see
-// handable): every slot a job runs in was booked, for one unit (the
-// pool's every request), by this pool, for a job that did not run in it.
+// unused once that one runs. Only slots that have not come change hands,
+// by the booking's own reply and by the receiving job's (a slot passed
+// unused is not run late; see handedStart for when a handed slot starts),
+// and only OK bookings made in Redis (see handable): every slot a job runs
+// in was booked, for one unit (the pool's every request), by this pool,
+// for a job that did not run in it.
 // An owed booking handed on is replaced by one that belongs to no job
 // (its job is done, and its fields are read without the lock). p.mu is
 // held.
@@ -199,8 +200,14 @@ func (p *Pool) handDownLocked(now time.Time) {
 			if !s.wanted {
 				continue
 			}
-			if k := slices.Index(holder[:w], -1); k >= 0 {
-				holder[k], holder[w] = w, -1
+			for k := range w {
+				// A booking whose slot has passed, as the job's own reply
+				// tells the Redis clock, is not run late (its own, slower,
+				// reply may say it has not come).
+				if holder[k] < 0 && handedStart(ss[k].at, ss[k].act, s.at, s.act).After(now) {
+					holder[k], holder[w] = w, -1
+					break
+				}
 			}
 		}
 		// The others take the bookings left free, in order.
@@ -226,14 +233,7 @@ func (p *Pool) handDownLocked(now time.Time) {
 			}
 			j.res, j.at, j.act, j.seq = to.res, to.at, to.act, to.seq
 			if s.wanted {
-				// Each reply bounds the Redis clock at any local time (it
-				// had reached the decision when the reply came), so a
-				// slot's local start may count from either: the
-				// booking's own reply, or the job's, whichever says
-				// earlier. (Counted only from the booking's, a job handed
-				// an earlier slot whose reply was slower would start later
-				// than at its own.)
-				j.act = earliest(to.act, to.at.Add(s.act.Sub(s.at)))
+				j.act = handedStart(to.at, to.act, s.at, s.act)
 			}
 			moved = true
 		}
@@ -241,6 +241,19 @@ func (p *Pool) handDownLocked(now time.Time) {
 	if moved {
 		heap.Init(&p.slots)
 	}
+}
+
+// handedStart is the local start of a booking (slot at on the Redis
+// clock, local start act) handed to a job whose own booking had slot
+// ownAt and local start ownAct. Each reply bounds the Redis clock at any
+// later local time (it had reached the decision when the reply came), so
+// the start may count from either reply: the booking's, or the job's,
+// whichever says earlier. (Counted from the booking's alone, a job handed
+// an earlier slot whose reply was slower would start later than at its
+// own.) It keeps ownAct's monotonic clock reading: slot times on the Redis
+// clock have none.
+func handedStart(at, act, ownAt, ownAct time.Time) time.Time {
+	return earliest(act, ownAct.Add(at.Sub(ownAt)))
 }
 
 // handable reports whether j's booking (a booked job's, or an owed one)

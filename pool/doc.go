@@ -47,7 +47,10 @@
 //     back once nothing wanted stands on it (so jobs cancelled in any order
 //     give back all their room), or forgotten once its slot has come. Only
 //     slots that have not come change hands (a slot passed unused is not
-//     run late), and only bookings made in Redis, not a fallback's. A
+//     run late; a job's replies tell it the Redis clock, so a slot handed
+//     to it starts as early as its own reply or the booking's allows,
+//     never later than its own slot would have), and only bookings made in
+//     Redis, not a fallback's. A
 //     booking refused on arrival because the reply's latency left its job
 //     too little time is owed, and not handed down: it is a refusal, no
 //     slot to run in. Job.Reservation hands out a view: a caller's Cancel
