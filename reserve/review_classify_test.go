@@ -255,8 +255,13 @@ func TestReviewClsPausedMerged(t *testing.T) {
 		require.Error(t, eErrs[i])
 		require.ErrorIs(t, eErrs[i], eCtx[i], "ended caller %d: its context's error", i)
 		// A call that had to dial (HELLO unanswered) sent nothing: only
-		// ErrUnavailable; one sent on a warm connection lost its reply.
-		require.ErrorIs(t, eErrs[i], throttle.ErrUnavailable, "ended caller %d", i)
+		// ErrUnavailable; one sent on a warm connection lost its reply. One
+		// whose deadline came while it waited to join a merged call (or
+		// for a connection) left, nothing sent: the context's error alone,
+		// as the package doc says (seen on a loaded machine).
+		if !errors.Is(eErrs[i], throttle.ErrUnavailable) {
+			require.Equal(t, eCtx[i], eErrs[i], "ended caller %d: neither Redis unavailable nor its context's error alone", i)
+		}
 		t.Logf("ended caller %d: ErrReplyLost in chain: %v (control: %v)", i,
 			errors.Is(eErrs[i], throttle.ErrReplyLost), errors.Is(cErrs[i], throttle.ErrReplyLost))
 	}
