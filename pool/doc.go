@@ -6,9 +6,11 @@
 // What a Pool guarantees:
 //
 //   - Rate. A job's function starts no earlier than the slot booked for it
-//     (reservation SlotAt, the local time of a slot measured on the Redis
-//     clock), so the jobs of every pool and process sharing the limiter's
-//     name and key keep to its limit together.
+//     (Job.Slot, the local time of a slot measured on the Redis clock: the
+//     reservation's SlotAt, or for a slot handed down to it, see
+//     Cancellation, as its own reply tells it), so the jobs of every pool
+//     and process sharing the limiter's name and key keep to its limit
+//     together.
 //   - Concurrency. A job holds one of the pool's workers from the moment
 //     its batch is sent until its function returns (or its booking has been
 //     given back), so at most Workers jobs are booking, booked or running at
