@@ -394,7 +394,7 @@ type BatchRequest struct {
 // Reservation per request (a refused one is not OK), or an error for bad
 // input (nothing sent), a Redis failure (nothing booked) or ctx ending
 // before the reply is in (what was booked given back before it returns,
-// as ReserveN gives back: a round trip per booking). A request
+// all of it in one refund: see throttle.Engine.BookAll). A request
 // whose Context has ended by the time the call is sent books nothing: its
 // Reservation is not OK and its Err is the context's error (no call is
 // made if every request's has). A request the reply's latency made late
@@ -425,13 +425,16 @@ func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequ
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	// Once sent, the call is not cut short by ctx's deadline (see
-	// sendAlone).
-	late := l.book(waitbound.WithoutDeadline(ctx), k, calls)
+	// Once sent, the call is not cut short by ctx's deadline, and if ctx
+	// has ended by the time the reply is in, the engine gives back what
+	// the call booked, in one refund (throttle.Engine.BookAll), and
+	// answers with ctx's error.
+	late := l.book(ctx, k, calls)
 	if err := waitbound.Ended(ctx); err != nil {
 		// Ended in flight: the caller never had its answer. As ReserveN's,
 		// it gets its context's error, and what was booked goes back
-		// before it returns.
+		// before it returns: the engine's, or, for a ctx that ended just
+		// after the engine looked, here.
 		l.giveBackEnded(ctx, k, late, calls)
 		for _, c := range calls {
 			if c.err != nil {
@@ -613,7 +616,8 @@ func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.
 }
 
 // giveBackEnded gives back everything calls booked for a caller whose
-// context ended while they were out: the late bookings book returned, then
+// context ended while they were out, where the engine has not (the
+// context ended just after it looked): the late bookings book returned, then
 // every booking that stands (held ones too), the latest first, so that
 // each gives its room back as far as nothing booked since stands on it;
 // a round trip each, each bounded by a second. It stops at the first that
