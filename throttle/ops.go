@@ -222,14 +222,9 @@ func (e *Engine) giveBackEnded(ctx context.Context, keys []string, limits []Limi
 	}
 	b := *last
 	if first != last {
-		b.N, b.starts = 0, first.starts
-		for _, x := range bs {
-			if x.OK {
-				b.N += x.N
-			}
-		}
-		// A booking of its own: its tombstone is not the last one's.
-		b.id, b.way = rand.Uint64(), new(atomic.Uint32)
+		// A booking of its own (refund reads its starts, ends and slot,
+		// not its N): its tombstone is not the last one's.
+		b.starts, b.id, b.way = first.starts, rand.Uint64(), new(atomic.Uint32)
 	}
 	gctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
