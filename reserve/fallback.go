@@ -90,7 +90,7 @@ func WithFallback(f Fallback) Option {
 		l.fallback = &fallback{Fallback: f}
 		if f.kind == localShare || f.kind == failOpen {
 			l.fallback.instances.Store(int64(f.instances))
-			l.fallback.local = make(map[string][]*rate.Limiter)
+			l.fallback.local = make(map[string]*localKey)
 		}
 		return nil
 	}
@@ -133,7 +133,7 @@ type fallback struct {
 	// cancellations undo exactly what it took: x/time/rate's Cancel gives
 	// back only part when other reservations came in between.
 	mu    sync.Mutex
-	local map[string][]*rate.Limiter // per key, one per limit, in the Limiter's order
+	local map[string]*localKey
 	// last is the latest time given to any local limiter. x/time/rate
 	// counts the time since its last event again when handed an earlier
 	// time, and concurrent callers' clocks reach the lock out of order, so
@@ -169,12 +169,14 @@ func (l *Limiter) beat(ctx context.Context) {
 	}
 	if int64(n) != f.instances.Swap(int64(n)) {
 		f.mu.Lock()
-		for _, lims := range f.local {
-			for i, lim := range lims {
+		at := f.monotonic(time.Now())
+		for _, lk := range f.local {
+			for i, lim := range lk.lims {
 				r, b := f.share(l.limits[i])
-				lim.SetLimit(r)
-				lim.SetBurst(b)
+				lim.SetLimitAt(at, r)
+				lim.SetBurstAt(at, b)
 			}
+			lk.last = at
 		}
 		f.mu.Unlock()
 	}
@@ -187,10 +189,26 @@ func (f *fallback) share(limit throttle.Limit) (rate.Limit, int) {
 	return rate.Limit(perSec), max(1, (limit.Burst+1)/int(n))
 }
 
-// limiters returns key's local limiters, one per limit. f.mu is held.
-func (f *fallback) limiters(key string, limits []throttle.Limit) []*rate.Limiter {
-	if lims, ok := f.local[key]; ok {
-		return lims
+// localKey is a key's local limiters, one per limit in the Limiter's
+// order, and the latest time any of them was given (no earlier than any
+// limiter's own last event: see localBooking.cancel).
+type localKey struct {
+	lims []*rate.Limiter
+	last time.Time
+}
+
+// localBooking is a fallback Reservation's local bookings, one per limit
+// of its key, made at at.
+type localBooking struct {
+	key *localKey
+	rs  []*rate.Reservation
+	at  time.Time
+}
+
+// limiters returns key's local limiters. f.mu is held.
+func (f *fallback) limiters(key string, limits []throttle.Limit) *localKey {
+	if lk, ok := f.local[key]; ok {
+		return lk
 	}
 	if len(f.local) >= f.maxKeys {
 		for k := range f.local { // drop one, at random
@@ -198,12 +216,12 @@ func (f *fallback) limiters(key string, limits []throttle.Limit) []*rate.Limiter
 			break
 		}
 	}
-	lims := make([]*rate.Limiter, len(limits))
+	lk := &localKey{lims: make([]*rate.Limiter, len(limits))}
 	for i, limit := range limits {
-		lims[i] = rate.NewLimiter(f.share(limit))
+		lk.lims[i] = rate.NewLimiter(f.share(limit))
 	}
-	f.local[key] = lims
-	return lims
+	f.local[key] = lk
+	return lk
 }
 
 // monotonic returns t, or last if t is before it, and moves last on. f.mu
@@ -216,14 +234,28 @@ func (f *fallback) monotonic(t time.Time) time.Time {
 	return t
 }
 
-// cancel gives back a fallback reservation's local bookings.
-func (f *fallback) cancel(rs []*rate.Reservation) {
+// cancel gives back b's local bookings as x/time/rate's CancelAt does
+// before a booking's time to act: all of it but what bookings made after
+// it took. x/time/rate gives nothing back once that time has passed, since
+// its holder may have acted. unused tells that no one can have acted on b
+// (its caller never had it): a booking whose time has passed is then
+// cancelled at that time, which gives back what cancelling it now would
+// have, had its time not passed, provided nothing happened to the key's
+// limiters since that time (nothing else was booked, nor given back).
+// Else it gives nothing back: x/time/rate, handed a time before its last
+// event, counts the time since then twice.
+func (f *fallback) cancel(b *localBooking, unused bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	at := f.monotonic(time.Now())
-	for _, r := range rs {
+	now := f.monotonic(time.Now())
+	for _, r := range b.rs {
+		at := now
+		if act := b.at.Add(r.DelayFrom(b.at)); unused && act.Before(now) && !b.key.last.After(act) {
+			at = act
+		}
 		r.CancelAt(at)
 	}
+	b.key.last = now
 }
 
 // forget drops key's local limiters (Limiter.Reset).
@@ -237,19 +269,20 @@ func (f *fallback) forget(key string) {
 // wait of at most budget. It returns the bookings (to cancel them later)
 // and the delay, or ok false and the wait it would have needed (for a
 // request no share can ever pass, the first limit's interval times n).
-func (l *Limiter) localReserve(key string, n int, now time.Time, budget time.Duration) (rs []*rate.Reservation, delay time.Duration, ok bool) {
+func (l *Limiter) localReserve(key string, n int, now time.Time, budget time.Duration) (b *localBooking, delay time.Duration, ok bool) {
 	f := l.fallback
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	at := f.monotonic(now)
-	lims := f.limiters(key, l.limits)
-	rs = make([]*rate.Reservation, 0, len(lims))
+	lk := f.limiters(key, l.limits)
+	lk.last = at
+	rs := make([]*rate.Reservation, 0, len(lk.lims))
 	cancel := func() {
 		for _, r := range rs {
 			r.CancelAt(at)
 		}
 	}
-	for _, lim := range lims {
+	for _, lim := range lk.lims {
 		r := lim.ReserveN(at, n)
 		if !r.OK() {
 			cancel()
@@ -262,7 +295,7 @@ func (l *Limiter) localReserve(key string, n int, now time.Time, budget time.Dur
 		cancel()
 		return nil, delay, false
 	}
-	return rs, delay, true
+	return &localBooking{key: lk, rs: rs, at: at}, delay, true
 }
 
 // fallbackReserve answers one request from the fallback.
@@ -335,7 +368,7 @@ func (l *Limiter) fallbackAllow(ctx context.Context, key string, n int) (throttl
 	remaining := math.MaxInt
 	f.mu.Lock()
 	at := f.monotonic(now)
-	for _, lim := range f.limiters(key, l.limits) {
+	for _, lim := range f.limiters(key, l.limits).lims {
 		remaining = min(remaining, int(lim.TokensAt(at)))
 	}
 	f.mu.Unlock()

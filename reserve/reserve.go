@@ -19,8 +19,6 @@ import (
 	"sync"
 	"time"
 
-	"golang.org/x/time/rate"
-
 	"github.com/slotbook/slotbook/deadline"
 	"github.com/slotbook/slotbook/internal/testhook"
 	"github.com/slotbook/slotbook/internal/waitbound"
@@ -738,8 +736,8 @@ type Reservation struct {
 	act     time.Time // local time to act
 	err     error     // the refusal, if not OK
 
-	local []*rate.Reservation // LocalShare's bookings, one per limit
-	late  *lateLinks          // nil unless its batch had late bookings
+	local *localBooking // the fallback's local bookings, nil if none
+	late  *lateLinks    // nil unless its batch had late bookings
 
 	mu sync.Mutex // guards canceled
 
@@ -917,7 +915,7 @@ func (r *Reservation) cancel(ctx context.Context, unused bool) error {
 	}
 	if r.fallback {
 		if r.local != nil {
-			r.lim.fallback.cancel(r.local)
+			r.lim.fallback.cancel(r.local, unused)
 		}
 		r.canceled = true
 		return nil
