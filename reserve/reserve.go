@@ -519,12 +519,22 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 		l.heartbeat(ctx)
 	}
 	useFallback := l.useFallback(ctx, key, err)
+	var gone error // the whole call's caller has gone (ReserveBatch's)
+	if useFallback {
+		gone = waitbound.Ended(ctx)
+	}
 	anyLate := false // a booking refused late and not held
 	for i, s := range out {
 		if useFallback {
-			if cerr := s.c.ctx.Err(); cerr != nil {
-				// Its caller is gone: no local slot for it, and the
-				// batch's other requests still get the fallback's answer.
+			cerr := waitbound.Ended(s.c.ctx)
+			if cerr == nil {
+				cerr = gone
+			}
+			if cerr != nil {
+				// Its caller is gone: no local slot for it (no one would
+				// act on it, and a slot whose time has passed may not come
+				// back whole), and the batch's other requests still get
+				// the fallback's answer.
 				s.c.res = &Reservation{lim: l, key: key, err: cerr}
 				continue
 			}
