@@ -110,3 +110,53 @@ func TestViewCancelGivesNothingBack(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, r.Booking().At, again.Booking().At, "the reservation itself gave its room back")
 }
+
+// TestBatchHoldLateClaim: a late refusal's held booking, claimed, is an
+// OK Reservation of the same slot (Booking().At on the Redis clock, and a
+// SlotAt), which a caller may act in; the refusal then holds nothing (its
+// Cancel makes no call), and the claimed one's Cancel, before its slot,
+// gives the room back: after the batch's later booking is cancelled too,
+// the next booking takes the late one's slot. Claim of anything else
+// (an OK Reservation, a refusal holding nothing, a view, a held one
+// claimed or cancelled already) is nil.
+func TestBatchHoldLateClaim(t *testing.T) {
+	t.Parallel()
+	eng, p, calls := latencyEngine(t)
+	p.SetReplyDelay(40 * time.Millisecond)
+	l, err := reserve.New(eng, "api", throttle.PerSecond(2, 0)) // 500 ms apart
+	require.NoError(t, err)
+	ctx := context.Background()
+
+	head, late, after := lateBatch(t, l, "claim", true)
+	require.ErrorIs(t, late.Err(), deadline.ErrWouldExceedDeadline, "the test's premise")
+	require.True(t, late.Booking().OK, "the test's premise: held")
+	require.Nil(t, head.Claim(), "an OK Reservation")
+	require.Nil(t, late.View().Claim(), "a view")
+
+	c := late.Claim()
+	require.NotNil(t, c)
+	require.True(t, c.OK(), "%v", c.Err())
+	require.Equal(t, late.Booking().At, c.Booking().At, "the held slot")
+	require.False(t, c.SlotAt().IsZero())
+	require.Positive(t, c.Delay(), "the slot is ahead (500 ms after the head's)")
+	require.Nil(t, late.Claim(), "claimed twice")
+
+	before := calls.Load()
+	require.NoError(t, late.Cancel(ctx))
+	require.Equal(t, before, calls.Load(), "a claimed refusal holds nothing: Cancel makes no call")
+
+	require.NoError(t, after.Cancel(ctx))
+	require.NoError(t, c.Cancel(ctx))
+	next, err := l.Reserve(ctx, "claim")
+	require.NoError(t, err)
+	require.Equal(t, late.Booking().At, next.Booking().At, "the claimed booking's room came back with its Cancel")
+
+	// A held booking cancelled first cannot be claimed.
+	_, late, _ = lateBatch(t, l, "cancelled", true)
+	require.True(t, late.Booking().OK, "the test's premise: held")
+	require.NoError(t, late.Cancel(ctx))
+	require.Nil(t, late.Claim(), "cancelled")
+	// A late refusal not held holds nothing to claim.
+	_, late, _ = lateBatch(t, l, "unheld", false)
+	require.Nil(t, late.Claim(), "not held")
+}

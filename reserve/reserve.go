@@ -371,8 +371,9 @@ type BatchRequest struct {
 	// budget, but acting at it, counted from the reply's arrival, would
 	// end past the deadline. The Reservation is refused all the same (Err
 	// matching ErrWouldExceedDeadline), but it holds the booking:
-	// Booking().OK is true and Cancel gives it back. Unset, ReserveBatch
-	// gives such a booking back itself.
+	// Booking().OK is true and Cancel gives it back, or Claim hands it to
+	// a caller that can act in its slot. Unset, ReserveBatch gives such a
+	// booking back itself.
 	//
 	// A caller that gives back several bookings of one key (a pool whose
 	// jobs are cancelled) sets it, so that it can give them all back
@@ -814,6 +815,28 @@ func (r *Reservation) View() *Reservation {
 	}
 }
 
+// Claim hands over the booking of a late refusal held for its caller
+// (BatchRequest.HoldLate) to a caller that can act in its slot all the
+// same (one whose deadline is later, say). It returns a Reservation that
+// holds the booking and is OK: r's slot (SlotAt, Booking) and r's place
+// in its batch (the late bookings under it go back with its Cancel). It
+// is as one booked for that caller: its Cancel gives the booking back
+// only before the slot has come. r then holds nothing: its Cancel does
+// nothing. Claim returns nil for any other Reservation, and for a held
+// one already claimed or cancelled.
+func (r *Reservation) Claim() *Reservation {
+	if r.view || !r.held {
+		return nil
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.canceled {
+		return nil
+	}
+	r.canceled = true // the booking is the claimant's to give back
+	return &Reservation{lim: r.lim, key: r.key, booking: r.booking, act: r.act, late: r.late}
+}
+
 // lateLinks ties a Reservation to the late bookings of its batch (see
 // book and lateAfter); a reservation of a batch with none has no links,
 // and costs no more.
@@ -893,8 +916,8 @@ func (r *Reservation) giveBack(ctx context.Context, unused bool) error {
 // Once the slot has come nothing is given back, and Cancel makes no Redis
 // call. Cancelling twice, cancelling a View, or cancelling a refusal does
 // nothing, but for a late refusal held for the caller
-// (BatchRequest.HoldLate), whose booking Cancel gives back even once its
-// slot has come, since no one acts on a refusal. If
+// (BatchRequest.HoldLate) and not claimed (Claim), whose booking Cancel
+// gives back even once its slot has come, since no one acts on a refusal. If
 // Cancel returns an error (Redis unreachable, or its reply lost: errors.Is
 // throttle.ErrReplyLost), calling it again is safe: the engine gives a
 // booking back at most once.
