@@ -112,7 +112,8 @@ func earliest(a, b time.Time) time.Time {
 // context's error; its booking is owed, and given back once the later
 // ones are (or forgotten once its slot has come, as Reservation.Cancel
 // judges it: there is nothing left to give). A booking refused late (see
-// book) is owed too. p.mu is held.
+// book) is owed too, its job refunding until it is given back or handed
+// down. p.mu is held.
 func (p *Pool) takeRefundsLocked(now time.Time) []*Job {
 	p.owed = slices.DeleteFunc(p.owed, func(j *Job) bool {
 		if j.act.After(now) || j.at.After(now) {
@@ -152,12 +153,13 @@ func (p *Pool) takeRefundsLocked(now time.Time) []*Job {
 // unused once that one runs. Only slots that have not come change hands,
 // by the booking's own reply and by the receiving job's (a slot passed
 // unused is not run late; see handedStart for when a handed slot starts),
-// and only OK bookings made in Redis (see handable): every slot a job runs
-// in was booked, for one unit (the pool's every request), by this pool,
-// for a job that did not run in it.
+// and only bookings made in Redis (see handable), a late refusal's held
+// booking among them (a wanted job handed one claims it): every slot a
+// job runs in was booked, for one unit (the pool's every request), by
+// this pool, for a job that did not run in it.
 // An owed booking handed on is replaced by one that belongs to no job
-// (its job is done, and its fields are read without the lock). p.mu is
-// held.
+// (its job is done, or, refused late, done now; a done job's fields are
+// read without the lock). p.mu is held.
 func (p *Pool) handDownLocked(now time.Time) {
 	if p.closed || !slices.ContainsFunc(p.slots, func(j *Job) bool { return j.ctx.Err() != nil }) && !slices.ContainsFunc(p.owed, func(j *Job) bool { return handable(j, now) }) {
 		return
@@ -227,11 +229,23 @@ func (p *Pool) handDownLocked(now time.Time) {
 				continue
 			}
 			j := s.j
-			if s.owed >= 0 && j.state == done {
+			if s.owed >= 0 {
+				if j.state == refunding {
+					// A late refusal's: the job is done, its booking
+					// another's now.
+					p.moveLocked(j, done, j.err)
+				}
 				j = &Job{key: j.key, ctx: j.ctx, state: done, index: -1} // one of no job's
 				p.owed[s.owed] = j
 			}
-			j.res, j.at, j.act, j.seq = to.res, to.at, to.act, to.seq
+			res := to.res
+			if s.wanted && !res.OK() {
+				// A late refusal's booking, held for the pool: the job
+				// acts in its slot. It is claimed once: its holder takes
+				// another booking here.
+				res = res.Claim()
+			}
+			j.res, j.at, j.act, j.seq = res, to.at, to.act, to.seq
 			if s.wanted {
 				j.act = handedStart(to.at, to.act, s.at, s.act)
 			}
@@ -257,10 +271,11 @@ func handedStart(at, act, ownAt, ownAct time.Time) time.Time {
 }
 
 // handable reports whether j's booking (a booked job's, or an owed one)
-// may change hands: an OK booking made in Redis (not a fallback's local
-// one, which is no slot of the shared limit) whose slot has not come.
+// may change hands: a booking made in Redis (not a fallback's local one,
+// which is no slot of the shared limit), OK or held for a late refusal,
+// whose slot has not come.
 func handable(j *Job, now time.Time) bool {
-	return j.res != nil && j.res.OK() && !j.res.Fallback() && j.act.After(now)
+	return j.res != nil && j.res.Booking().OK && !j.res.Fallback() && j.act.After(now)
 }
 
 // endErr is the outcome of a booked job that will not run.

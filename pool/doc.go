@@ -52,11 +52,12 @@
 //     run late; a job's replies tell it the Redis clock, so a slot handed
 //     to it starts as early as its own reply or the booking's allows,
 //     never later than its own slot would have), and only bookings made in
-//     Redis, not a fallback's. A
-//     booking refused on arrival because the reply's latency left its job
-//     too little time is owed, and not handed down: it is a refusal, no
-//     slot to run in. Job.Reservation hands out a view: a caller's Cancel
-//     of it cannot get in the way.
+//     Redis, not a fallback's. A booking refused on arrival because the
+//     reply's latency left its job too little time is owed and handed down
+//     the same way (its job reports done with the refusal): a later job of
+//     the key runs in its slot (reserve's Reservation.Claim), or it goes
+//     back. Job.Reservation hands out a view: a caller's Cancel of it
+//     cannot get in the way.
 //   - Failures. A batch whose Redis call fails ends its jobs with the error
 //     (a lost reply may have booked; nothing is given back for it).
 //   - Panics. A job's panic becomes its error, a *PanicError with the panic

@@ -9,6 +9,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
+	"github.com/slotbook/slotbook/deadline"
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/pool"
 	"github.com/slotbook/slotbook/reserve"
@@ -137,4 +138,55 @@ func TestPoolHandsDownOwedSlot(t *testing.T) {
 	defer cancel()
 	require.NoError(t, r.p.Wait(wctx))
 	r.requireNothingWasted(t, "k", []*pool.Job{b, d, e}, []*pool.Job{a})
+}
+
+// TestPoolHandsDownLateHeldSlot: a job whose slot fitted its deadline
+// when its batch was sent, but not once the reply (held back 1 s) was
+// in, is refused late and its booking held for the pool to give back; a
+// later job of the key, with no deadline, booked above it, takes that
+// slot and runs in it, and its own (the top one) goes back. Checked on
+// the Redis clock against a textbook GCRA with no burst: the job that ran
+// holds the first slot after the pause, P, and a probe lands at P+I.
+// Before, the held booking was owed under the later one and wasted once
+// that one ran: the job ran at P+I and the probe landed at P+2I.
+func TestPoolHandsDownLateHeldSlot(t *testing.T) {
+	t.Parallel()
+	// I = 2 s: B runs up to a reply's delay (1 s) after its slot on the
+	// Redis clock, and the probe must still find that slot's successor
+	// ahead.
+	r := newHandDownRig(t, throttle.PerMinute(30, 0), 8)
+	bg := context.Background()
+	I := 2 * time.Second
+	require.NoError(t, r.probe.Load(bg)) // the scripts loaded on the server: one round trip below
+	require.NoError(t, r.lim.Pause(bg, "k", 1500*time.Millisecond))
+	r.proxy.SetReplyDelay(time.Second)
+	// A's slot, about 1.5 s ahead, fits a deadline 2.1 s ahead when sent
+	// (600 ms to spare); counted from the reply, 1 s on, it does not (by
+	// 400 ms).
+	actx, cancelA := context.WithTimeout(bg, 2100*time.Millisecond)
+	defer cancelA()
+	a := r.submit(t, actx, "k")
+	b := r.submit(t, bg, "k")
+	time.Sleep(100 * time.Millisecond)
+	r.proxy.SetReplyDelay(0)
+	wctx, cancel := context.WithTimeout(bg, 30*time.Second)
+	defer cancel()
+	require.NoError(t, r.p.Wait(wctx))
+
+	require.ErrorIs(t, a.Err(), deadline.ErrWouldExceedDeadline, "A was refused late (the test's premise)")
+	require.True(t, a.Started().IsZero(), "A ran")
+	held := a.Reservation()
+	require.NotNil(t, held)
+	if !held.Booking().OK {
+		t.Skipf("A's call went out more than 600 ms late and Redis refused it: nothing held to hand down (%v)", a.Err())
+	}
+	P := held.Booking().At
+
+	require.NoError(t, b.Err())
+	require.False(t, b.Started().Before(b.Slot()), "B started before its slot")
+	require.Equal(t, P, b.Reservation().Booking().At, "B ran in slot P+%v, not in A's unused slot P", b.Reservation().Booking().At.Sub(P))
+	pb, err := r.probe.Book(bg, "hd:{k}", r.limit, throttle.Request{N: 1, MaxWait: throttle.Forever})
+	require.NoError(t, err)
+	require.Positive(t, pb.Wait, "the probe came after the key's last slot: the test cannot tell where it was")
+	require.Equal(t, P.Add(I), pb.At, "the next slot after the one that ran")
 }

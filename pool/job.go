@@ -81,6 +81,7 @@ func (j *Job) Started() time.Time {
 // to it, or, cancelled, a later one it took in its place. A cancelled
 // job's booking is the one it held when it was done: the pool may hand it
 // down to another job after that (an owed booking), which then runs in it.
+// So may a job refused late (its booking held: Booking().OK is true).
 func (j *Job) Reservation() *reserve.Reservation {
 	<-j.done
 	if j.res == nil {
