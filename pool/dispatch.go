@@ -186,7 +186,7 @@ func (p *Pool) handDownLocked(now time.Time) {
 	}
 	moved := false
 	for _, ss := range byKey {
-		slices.SortFunc(ss, func(a, b slot) int { return cmp.Or(a.at.Compare(b.at), cmp.Compare(a.seq, b.seq)) })
+		slices.SortFunc(ss, func(a, b slot) int { return byBooking(a.j, b.j) })
 		// holder[k] is the slot (of ss) now taking ss[k]'s booking, or -1
 		// while it is free: at first each wanted job holds its own, and
 		// the others' are free. Each wanted job in turn, the earliest
@@ -257,6 +257,13 @@ func (p *Pool) handDownLocked(now time.Time) {
 	}
 }
 
+// byBooking orders two bookings as they stand on their key: by slot on
+// the Redis clock, which a later booking of a key never has earlier, then
+// by order of booking (seq).
+func byBooking(a, b *Job) int {
+	return cmp.Or(a.at.Compare(b.at), cmp.Compare(a.seq, b.seq))
+}
+
 // handedStart is the local start of a booking (slot at on the Redis
 // clock, local start act) handed to a job whose own booking had slot
 // ownAt and local start ownAct. Each reply bounds the Redis clock at any
@@ -311,9 +318,7 @@ func refundable(slots, owed []*Job, closed bool, busy func(key string) bool) (gi
 	}
 	js := append(slices.Clone(slots), owed...)
 	// By key, the latest booking first.
-	slices.SortFunc(js, func(a, b *Job) int {
-		return cmp.Or(cmp.Compare(a.key, b.key), b.at.Compare(a.at), cmp.Compare(b.seq, a.seq))
-	})
+	slices.SortFunc(js, func(a, b *Job) int { return cmp.Or(cmp.Compare(a.key, b.key), byBooking(b, a)) })
 	wanted := false // a booking of this key, later than j, is still wanted
 	for i, j := range js {
 		if i == 0 || j.key != js[i-1].key {
@@ -331,7 +336,7 @@ func refundable(slots, owed []*Job, closed bool, busy func(key string) bool) (gi
 	// Across keys too, the latest first, in the same order as each key's
 	// (by seq alone, a key whose calls came back out of order, as lease
 	// goroutines' can, would give an earlier booking back first).
-	slices.SortStableFunc(give, func(a, b *Job) int { return cmp.Or(b.at.Compare(a.at), cmp.Compare(b.seq, a.seq)) })
+	slices.SortStableFunc(give, func(a, b *Job) int { return byBooking(b, a) })
 	return give, owe
 }
 

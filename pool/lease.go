@@ -1,7 +1,6 @@
 package pool
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"slices"
@@ -161,15 +160,9 @@ func (p *Pool) takeLease(ctx context.Context, key string) (release func(), err e
 func (p *Pool) givableOwedLocked(key string) bool {
 	var top *Job // the key's latest wanted booking
 	for _, j := range p.slots {
-		if j.key == key && j.ctx.Err() == nil && (top == nil || later(j, top)) {
+		if j.key == key && j.ctx.Err() == nil && (top == nil || byBooking(j, top) > 0) {
 			top = j
 		}
 	}
-	return slices.ContainsFunc(p.owed, func(j *Job) bool { return j.key == key && (top == nil || later(j, top)) })
-}
-
-// later reports whether a's booking comes after b's on their key: by slot
-// on the Redis clock, then by order of booking.
-func later(a, b *Job) bool {
-	return cmp.Or(a.at.Compare(b.at), cmp.Compare(a.seq, b.seq)) > 0
+	return slices.ContainsFunc(p.owed, func(j *Job) bool { return j.key == key && (top == nil || byBooking(j, top) > 0) })
 }
