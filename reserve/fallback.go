@@ -11,8 +11,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"golang.org/x/time/rate"
-
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -38,8 +36,8 @@ const (
 
 // FailOpen lets each process use the whole limit on its own while Redis is
 // unavailable: every key is limited in this process to the full limit (not
-// a share of it), with golang.org/x/time/rate, so N processes admit at most
-// N times the limit, never an unbounded flood. Reservations wait for their
+// a share of it), so N processes admit at most N times the limit, never
+// an unbounded flood. Reservations wait for their
 // local slot within their budget, as with LocalShare. At most 10,000 local
 // limiters are kept.
 //
@@ -59,8 +57,8 @@ func FailClosed() Fallback { return Fallback{kind: failClosed, configured: true}
 
 // LocalShare limits each key in this process to its share of each of the
 // Limiter's limits, limit/instances, while Redis is unavailable, with one
-// golang.org/x/time/rate limiter per limit: a request passes when every
-// limit's share lets it. Views made with Limiter.With share one local state.
+// local limiter per limit, a GCRA as in Redis on this process's monotonic
+// clock: a request passes when every limit's share lets it. Views made with Limiter.With share one local state.
 // instances is learned while Redis is up: each process records a heartbeat
 // every interval (one Redis call per interval, never per request) in a
 // sorted set that forgets a process after three intervals. Until the first
@@ -91,6 +89,7 @@ func WithFallback(f Fallback) Option {
 		if f.kind == localShare || f.kind == failOpen {
 			l.fallback.instances.Store(int64(f.instances))
 			l.fallback.local = make(map[string]*localKey)
+			l.fallback.epoch = time.Now()
 		}
 		return nil
 	}
@@ -129,16 +128,16 @@ type fallback struct {
 	lastHeartbeat atomic.Int64 // unix nanoseconds
 
 	// mu guards local and last, and is held across each request's
-	// reservations in its local limiters, so that a refused request's
-	// cancellations undo exactly what it took: x/time/rate's Cancel gives
-	// back only part when other reservations came in between.
+	// bookings in its key's local limiters (one per limit), so that a
+	// request passes or is refused by all of them at once.
 	mu    sync.Mutex
 	local map[string]*localKey
-	// last is the latest time given to any local limiter. x/time/rate
-	// counts the time since its last event again when handed an earlier
-	// time, and concurrent callers' clocks reach the lock out of order, so
-	// no limiter is ever given a time before last.
-	last time.Time
+	// last is the latest time given to any local limiter: concurrent
+	// callers' clocks reach the lock out of order, and no limiter is
+	// given a time before one it has seen. Times are kept as nanoseconds
+	// since epoch (see instant).
+	last  time.Time
+	epoch time.Time // with a monotonic reading: the zero of instant's clock
 }
 
 // heartbeat records this process, at most once per interval, after a call
@@ -169,41 +168,43 @@ func (l *Limiter) beat(ctx context.Context) {
 	}
 	if int64(n) != f.instances.Swap(int64(n)) {
 		f.mu.Lock()
-		at := f.monotonic(time.Now())
+		now := f.instant(time.Now())
 		for _, lk := range f.local {
-			for i, lim := range lk.lims {
-				r, b := f.share(l.limits[i])
-				lim.SetLimitAt(at, r)
-				lim.SetBurstAt(at, b)
+			for i := range lk.b {
+				every, size := f.share(l.limits[i])
+				lk.b[i].rescale(now, every, size)
 			}
-			lk.last = at
 		}
 		f.mu.Unlock()
 	}
 }
 
-// share is this process's part of limit: rate and burst.
-func (f *fallback) share(limit throttle.Limit) (rate.Limit, int) {
+// share is this process's part of limit: the emission interval of its
+// rate (limit.Rate per limit.Period, divided among the instances), in
+// nanoseconds, rounded up so that the share never exceeds its part, and
+// its burst in units.
+func (f *fallback) share(limit throttle.Limit) (every, size int64) {
 	n := max(1, f.instances.Load())
-	perSec := float64(limit.Rate) / limit.Period.Seconds() / float64(n)
-	return rate.Limit(perSec), max(1, (limit.Burst+1)/int(n))
+	every = int64(math.Ceil(float64(limit.Period) * float64(n) / float64(limit.Rate)))
+	return max(1, every), int64(max(1, (limit.Burst+1)/int(n)))
 }
 
 // localKey is a key's local limiters, one per limit in the Limiter's
-// order, and the latest time any of them was given (no earlier than any
-// limiter's own last event: see localBooking.cancel).
+// order.
 type localKey struct {
-	lims []*rate.Limiter
-	last time.Time
+	b []bucket
 }
 
 // localBooking is a fallback Reservation's local bookings, one per limit
-// of its key, made at at.
+// of its key (from start to end of each), and its local time to act.
 type localBooking struct {
-	key *localKey
-	rs  []*rate.Reservation
-	at  time.Time
+	key   *localKey
+	parts []span
+	act   int64
 }
+
+// span is one limit's booking: from start to end on its bucket.
+type span struct{ start, end int64 }
 
 // limiters returns key's local limiters. f.mu is held.
 func (f *fallback) limiters(key string, limits []throttle.Limit) *localKey {
@@ -216,9 +217,9 @@ func (f *fallback) limiters(key string, limits []throttle.Limit) *localKey {
 			break
 		}
 	}
-	lk := &localKey{lims: make([]*rate.Limiter, len(limits))}
+	lk := &localKey{b: make([]bucket, len(limits))}
 	for i, limit := range limits {
-		lk.lims[i] = rate.NewLimiter(f.share(limit))
+		lk.b[i].every, lk.b[i].size = f.share(limit)
 	}
 	f.local[key] = lk
 	return lk
@@ -234,28 +235,28 @@ func (f *fallback) monotonic(t time.Time) time.Time {
 	return t
 }
 
-// cancel gives back b's local bookings as x/time/rate's CancelAt does
-// before a booking's time to act: all of it but what bookings made after
-// it took. x/time/rate gives nothing back once that time has passed, since
-// its holder may have acted. unused tells that no one can have acted on b
-// (its caller never had it): a booking whose time has passed is then
-// cancelled at that time, which gives back what cancelling it now would
-// have, had its time not passed, provided nothing happened to the key's
-// limiters since that time (nothing else was booked, nor given back).
-// Else it gives nothing back: x/time/rate, handed a time before its last
-// event, counts the time since then twice.
+// instant is monotonic(t) in nanoseconds since epoch, the local limiters'
+// clock. f.mu is held.
+func (f *fallback) instant(t time.Time) int64 {
+	return int64(f.monotonic(t).Sub(f.epoch))
+}
+
+// cancel gives back b's local bookings: on each limit, all of it once no
+// later booking stands on it (at once, or with the last of those above
+// it; see bucket.giveBack), so that nothing is ever let through early;
+// and once its time to act has come, nothing, for its holder may have
+// acted, unless unused tells that no one can have acted on it (its
+// caller never had it).
 func (f *fallback) cancel(b *localBooking, unused bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	now := f.monotonic(time.Now())
-	for _, r := range b.rs {
-		at := now
-		if act := b.at.Add(r.DelayFrom(b.at)); unused && act.Before(now) && !b.key.last.After(act) {
-			at = act
-		}
-		r.CancelAt(at)
+	now := f.instant(time.Now())
+	if !unused && b.act <= now {
+		return
 	}
-	b.key.last = now
+	for i, p := range b.parts {
+		b.key.b[i].giveBack(p, now)
+	}
 }
 
 // forget drops key's local limiters (Limiter.Reset).
@@ -268,34 +269,33 @@ func (f *fallback) forget(key string) {
 // localReserve books n units at now in every limit's local share, for a
 // wait of at most budget. It returns the bookings (to cancel them later)
 // and the delay, or ok false and the wait it would have needed (for a
-// request no share can ever pass, the first limit's interval times n).
+// request no share can ever pass, the first limit's interval times n);
+// a refusal books nothing.
 func (l *Limiter) localReserve(key string, n int, now time.Time, budget time.Duration) (b *localBooking, delay time.Duration, ok bool) {
 	f := l.fallback
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	at := f.monotonic(now)
+	t := f.instant(now)
 	lk := f.limiters(key, l.limits)
-	lk.last = at
-	rs := make([]*rate.Reservation, 0, len(lk.lims))
-	cancel := func() {
-		for _, r := range rs {
-			r.CancelAt(at)
-		}
-	}
-	for _, lim := range lk.lims {
-		r := lim.ReserveN(at, n)
-		if !r.OK() {
-			cancel()
+	parts := make([]span, len(lk.b))
+	var wait int64
+	for i := range lk.b {
+		if int64(n) > lk.b[i].size {
 			return nil, l.limit.Interval() * time.Duration(n), false
 		}
-		rs = append(rs, r)
-		delay = max(delay, r.DelayFrom(now))
+		var w int64
+		parts[i], w = lk.b[i].book(t, n)
+		wait = max(wait, w)
 	}
+	// From the caller's now, which the clock of the lock may have passed.
+	delay = time.Duration(t + wait - int64(now.Sub(f.epoch)))
 	if delay > budget {
-		cancel()
 		return nil, delay, false
 	}
-	return &localBooking{key: lk, rs: rs, at: at}, delay, true
+	for i, p := range parts {
+		lk.b[i].tat = p.end
+	}
+	return &localBooking{key: lk, parts: parts, act: t + wait}, delay, true
 }
 
 // fallbackReserve answers one request from the fallback.
@@ -365,12 +365,12 @@ func (l *Limiter) fallbackAllow(ctx context.Context, key string, n int) (throttl
 		return throttle.Result{RetryAfter: after}, nil
 	}
 	obs.ObserveDecision(l.name, throttle.FallbackAllowed, 0)
-	remaining := math.MaxInt
+	remaining := int64(math.MaxInt)
 	f.mu.Lock()
-	at := f.monotonic(now)
-	for _, lim := range f.limiters(key, l.limits).lims {
-		remaining = min(remaining, int(lim.TokensAt(at)))
+	t := f.instant(now)
+	for _, b := range f.limiters(key, l.limits).b {
+		remaining = min(remaining, b.room(t))
 	}
 	f.mu.Unlock()
-	return throttle.Result{Allowed: true, Remaining: max(remaining, 0)}, nil
+	return throttle.Result{Allowed: true, Remaining: int(max(remaining, 0))}, nil
 }
