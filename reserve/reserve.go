@@ -756,6 +756,7 @@ type Reservation struct {
 	held     bool // a refusal holding its booking (BatchRequest.HoldLate)
 	view     bool // made by View: Cancel gives nothing back
 	canceled bool
+	tried    bool // a give-back was sent, which may have taken effect: no Claim
 }
 
 // OK reports whether a slot was booked.
@@ -823,14 +824,16 @@ func (r *Reservation) View() *Reservation {
 // is as one booked for that caller: its Cancel gives the booking back
 // only before the slot has come. r then holds nothing: its Cancel does
 // nothing. Claim returns nil for any other Reservation, and for a held
-// one already claimed or cancelled.
+// one already claimed, or cancelled, even by a Cancel that failed (it may
+// have given the booking back, and its retry must give it back the same
+// way).
 func (r *Reservation) Claim() *Reservation {
 	if r.view || !r.held {
 		return nil
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.canceled {
+	if r.canceled || r.tried {
 		return nil
 	}
 	r.canceled = true // the booking is the claimant's to give back
@@ -961,6 +964,7 @@ func (r *Reservation) cancel(ctx context.Context, unused bool) error {
 		r.canceled = true // Redis would give nothing back: no call
 		return nil
 	}
+	r.tried = true
 	if _, err := refund(ctx, r.lim.keysOf(r.key), r.lim.limits, *r.booking); err != nil {
 		return err
 	}
