@@ -113,16 +113,14 @@ func earliest(a, b time.Time) time.Time {
 // ones are (or forgotten once its slot has come, as Reservation.Cancel
 // judges it: there is nothing left to give). A booking refused late (see
 // book) is owed too, its job refunding until it is given back or handed
-// down. p.mu is held.
+// down, and is not forgotten when its slot comes: no one acted on it, and
+// its Cancel gives its room back whenever nothing stands on it. p.mu is
+// held.
 func (p *Pool) takeRefundsLocked(now time.Time) []*Job {
 	p.owed = slices.DeleteFunc(p.owed, func(j *Job) bool {
-		if j.act.After(now) || j.at.After(now) {
-			return false
-		}
-		if j.state == refunding { // refused late: nothing left to give
-			p.moveLocked(j, done, j.err)
-		}
-		return true
+		// A late refusal's held booking (not OK) gives its room back even
+		// once its slot has come, for no one acted on it: it stays owed.
+		return j.res.OK() && !j.act.After(now) && !j.at.After(now)
 	})
 	p.handDownLocked(now)
 	give, owe := refundable(p.slots, p.owed, p.closed, func(key string) bool { return p.flying[key] > 0 || p.giving[key] > 0 })
@@ -229,7 +227,9 @@ func (p *Pool) handDownLocked(now time.Time) {
 				continue
 			}
 			j := s.j
-			if s.owed >= 0 {
+			res := to.res
+			switch {
+			case s.owed >= 0:
 				if j.state == refunding {
 					// A late refusal's: the job is done, its booking
 					// another's now.
@@ -237,8 +237,16 @@ func (p *Pool) handDownLocked(now time.Time) {
 				}
 				j = &Job{key: j.key, ctx: j.ctx, state: done, index: -1} // one of no job's
 				p.owed[s.owed] = j
+			case !s.wanted && !res.OK():
+				// A cancelled job left a late refusal's booking to give
+				// back: it is done now, its Reservation its own booking
+				// (handed on), not the refusal, and the refusal's booking
+				// is owed by no job's.
+				p.moveLocked(j, refunding, endErr(j))
+				p.moveLocked(j, done, j.err)
+				j = &Job{key: j.key, ctx: j.ctx, state: done, index: -1}
+				p.owed = append(p.owed, j)
 			}
-			res := to.res
 			if s.wanted && !res.OK() {
 				// A late refusal's booking, held for the pool: the job
 				// acts in its slot. It is claimed once: its holder takes
