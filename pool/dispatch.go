@@ -374,8 +374,30 @@ func (p *Pool) giveBack(js []*Job) {
 // startDueLocked starts the booked jobs whose slot has come. p.mu is held.
 func (p *Pool) startDueLocked(now time.Time) {
 	for len(p.slots) > 0 && !p.slots[0].act.After(now) {
-		p.moveLocked(p.slots[0], running, nil)
+		j := p.slots[0]
+		p.moveLocked(j, running, nil)
+		p.forgetUnderLocked(j)
 	}
+}
+
+// forgetUnderLocked drops the owed bookings of j's key under j's, which
+// j, started, now stands on for good: none of them can give anything
+// back (a late refusal's held booking would otherwise wait for j to start
+// and then be sent, for nothing). A late refusal's job is done with its
+// refusal. p.mu is held.
+func (p *Pool) forgetUnderLocked(j *Job) {
+	if len(p.owed) == 0 {
+		return
+	}
+	p.owed = slices.DeleteFunc(p.owed, func(o *Job) bool {
+		if o.key != j.key || byBooking(o, j) >= 0 {
+			return false
+		}
+		if o.state == refunding {
+			p.moveLocked(o, done, o.err)
+		}
+		return true
+	})
 }
 
 // takeBatchLocked picks the next batch to book, if the workers allow one:

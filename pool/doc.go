@@ -47,7 +47,9 @@
 //     change hands (below) stands above. Then the job reports done at once
 //     and its booking is owed: handed down in turn once it can be, given
 //     back once nothing wanted stands on it (so jobs cancelled in any order
-//     give back all their room), or forgotten once its slot has come. Only
+//     give back all their room), or forgotten once its slot has come or a
+//     later job of its key has started (either way it could give nothing
+//     back). Only
 //     slots that have not come change hands (a slot passed unused is not
 //     run late; a job's replies tell it the Redis clock, so a slot handed
 //     to it starts as early as its own reply or the booking's allows,
@@ -56,7 +58,8 @@
 //     reply's latency left its job too little time is owed and handed down
 //     the same way (its job reports done with the refusal): a later job of
 //     the key runs in its slot (reserve's Reservation.Claim), or it goes
-//     back. Job.Reservation hands out a view: a caller's Cancel of it
+//     back, even once its slot has come (no one acted on it), unless a
+//     later job of its key has started. Job.Reservation hands out a view: a caller's Cancel of it
 //     cannot get in the way.
 //   - Failures. A batch whose Redis call fails ends its jobs with the error
 //     (a lost reply may have booked; nothing is given back for it).

@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/deadline"
+	"github.com/slotbook/slotbook/internal/callcount"
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/pool"
 	"github.com/slotbook/slotbook/reserve"
@@ -189,4 +190,44 @@ func TestPoolHandsDownLateHeldSlot(t *testing.T) {
 	require.NoError(t, err)
 	require.Positive(t, pb.Wait, "the probe came after the key's last slot: the test cannot tell where it was")
 	require.Equal(t, P.Add(I), pb.At, "the next slot after the one that ran")
+}
+
+// TestPoolForgetsHeldUnderRun: a job A refused late, whose slot came
+// while the reply was out, holds a booking no one can take (its slot has
+// passed); a later job B of its batch is booked above it. Once B has
+// started, its booking stands on the key for good, and the held one can
+// give nothing back: the pool forgets it and sends no refund for it.
+// Counted on the pool's client: two calls in all, the two bookings.
+// (Before, the pool gave it back once B had started: one refund that gave
+// nothing.) Replies are held back 2 s; a first job X keeps the key's call
+// in flight so that A and B go out in one batch behind it.
+func TestPoolForgetsHeldUnderRun(t *testing.T) {
+	t.Parallel()
+	r := newHandDownRig(t, throttle.PerMinute(30, 0), 8) // I = 2 s
+	calls := callcount.Attach(r.lim.Engine().Client().(*redis.Client))
+	bg := context.Background()
+	require.NoError(t, r.probe.Load(bg))
+	r.proxy.SetReplyDelay(2 * time.Second)
+	x := r.submit(t, bg, "k") // slot t0, its reply at t0+2s
+	time.Sleep(100 * time.Millisecond)
+	// A's slot, t0+2s, fits its deadline t0+3s when its batch goes out
+	// (t0+2s); counted from the reply (t0+4s), it does not.
+	actx, cancelA := context.WithTimeout(bg, 2900*time.Millisecond)
+	defer cancelA()
+	a := r.submit(t, actx, "k")
+	b := r.submit(t, bg, "k")
+	wctx, cancel := context.WithTimeout(bg, 30*time.Second)
+	defer cancel()
+	require.NoError(t, r.p.Wait(wctx))
+	r.proxy.SetReplyDelay(0)
+	require.NoError(t, x.Err())
+	require.ErrorIs(t, a.Err(), deadline.ErrWouldExceedDeadline, "A was refused late (the test's premise)")
+	if held := a.Reservation(); held == nil || !held.Booking().OK {
+		t.Skipf("A's call went out too late and Redis refused it: nothing held (%v)", a.Err())
+	}
+	require.NoError(t, b.Err())
+	require.Equal(t, b.Reservation().Booking().At, a.Reservation().Booking().At.Add(2*time.Second), "B booked right above A (the test's premise)")
+	// Wait does not wait for a give-back: Close does.
+	require.NoError(t, r.p.Close(wctx))
+	require.Equal(t, int64(2), calls.Load(), "X's booking and A and B's, and no refund of a booking B stands on")
 }
