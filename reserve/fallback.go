@@ -58,8 +58,8 @@ func FailClosed() Fallback { return Fallback{kind: failClosed, configured: true}
 // LocalShare limits each key in this process to its share of each of the
 // Limiter's limits, limit/instances, while Redis is unavailable, with one
 // local limiter per limit, a GCRA as in Redis on this process's monotonic
-// clock: a request passes when every limit's share lets it. Views made with Limiter.With share one local state.
-// instances is learned while Redis is up: each process records a heartbeat
+// clock: a request passes when every limit's share lets it. Views made
+// with Limiter.With share one local state. instances is learned while Redis is up: each process records a heartbeat
 // every interval (one Redis call per interval, never per request) in a
 // sorted set that forgets a process after three intervals. Until the first
 // heartbeat, assumed instances is used (at least 1). A share's burst is at
