@@ -71,9 +71,9 @@ func (b *bucket) room(now int64) int64 {
 	return (now + b.size*b.every - max(b.tat, now)) / b.every
 }
 
-// rescale moves b to a new share, keeping the units booked ahead of now
-// (x/time/rate's SetLimit keeps its token count alike), rounded up. A
-// booking made before no longer ends at tat: it gives nothing back.
+// rescale moves b to a new share, keeping the units booked ahead of now,
+// rounded up: what is owed, where x/time/rate's SetLimit kept its token
+// count. A booking made before gives nothing back (localBooking.gen).
 func (b *bucket) rescale(now, every, size int64) {
 	if b.tat > now {
 		b.tat = now + int64(math.Ceil(float64(b.tat-now)*float64(every)/float64(b.every)))

@@ -174,6 +174,7 @@ func (l *Limiter) beat(ctx context.Context) {
 				every, size := f.share(l.limits[i])
 				lk.b[i].rescale(now, every, size)
 			}
+			lk.gen++
 		}
 		f.mu.Unlock()
 	}
@@ -190,15 +191,17 @@ func (f *fallback) share(limit throttle.Limit) (every, size int64) {
 }
 
 // localKey is a key's local limiters, one per limit in the Limiter's
-// order.
+// order, and how many share changes they have been through.
 type localKey struct {
-	b []bucket
+	b   []bucket
+	gen int
 }
 
 // localBooking is a fallback Reservation's local bookings, one per limit
 // of its key (from start to end of each), and its local time to act.
 type localBooking struct {
 	key   *localKey
+	gen   int // key's gen when booked
 	parts []span
 	act   int64
 }
@@ -251,7 +254,9 @@ func (f *fallback) cancel(b *localBooking, unused bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	now := f.instant(time.Now())
-	if !unused && b.act <= now {
+	if !unused && b.act <= now || b.gen != b.key.gen {
+		// Come, or booked before a share change, which moved the key's
+		// bookings off the times this one holds: nothing to give back.
 		return
 	}
 	for i, p := range b.parts {
@@ -295,7 +300,7 @@ func (l *Limiter) localReserve(key string, n int, now time.Time, budget time.Dur
 	for i, p := range parts {
 		lk.b[i].tat = p.end
 	}
-	return &localBooking{key: lk, parts: parts, act: t + wait}, delay, true
+	return &localBooking{key: lk, gen: lk.gen, parts: parts, act: t + wait}, delay, true
 }
 
 // fallbackReserve answers one request from the fallback.
