@@ -397,14 +397,17 @@ func (p *Pool) startDueLocked(now time.Time) {
 // forgetUnderLocked drops the owed bookings of j's key under j's, which
 // j, started, now stands on for good: none of them can give anything
 // back (a late refusal's held booking would otherwise wait for j to start
-// and then be sent, for nothing). A late refusal's job is done with its
-// refusal. p.mu is held.
+// and then be sent, for nothing). Only bookings made in Redis, under one
+// made in Redis: a fallback's local booking (its slot the zero Time, so
+// first by byBooking) stands on no key in Redis, nor one of Redis on its
+// local limiter. A late refusal's job is done with its refusal. p.mu is
+// held.
 func (p *Pool) forgetUnderLocked(j *Job) {
-	if len(p.owed) == 0 {
+	if len(p.owed) == 0 || !j.res.Booking().OK {
 		return
 	}
 	p.owed = slices.DeleteFunc(p.owed, func(o *Job) bool {
-		if o.key != j.key || byBooking(o, j) >= 0 {
+		if o.key != j.key || !o.res.Booking().OK || byBooking(o, j) >= 0 {
 			return false
 		}
 		if o.state == refunding {
