@@ -350,25 +350,15 @@ func refundable(slots, owed []*Job, closed bool, busy func(key string) bool) (gi
 
 // giveBack gives back the bookings of js in order (of each key, the
 // latest first, as refundable sorts them), then ends each job still
-// refunding with the error it was given (an owed one is done). Once a
-// key's give-back fails, the key's bookings after it in js are not sent.
+// refunding with the error it was given (an owed one is done).
 func (p *Pool) giveBack(js []*Job) {
-	var failed map[string]bool // keys whose give-back failed
 	for _, j := range js {
-		if failed[j.key] {
-			// Under a booking of its key whose give-back failed (Redis
-			// away, say): it could give nothing back while that one
-			// stands, and would wait out a second of its own for nothing.
-			continue
-		}
-		// The job's context has ended: keep its values, not its end.
+		// The job's context has ended: keep its values, not its end. A
+		// give-back that fails does not stop the ones under it: its reply
+		// may be lost with its refund run (a slow Redis), and theirs then
+		// give their room back.
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(j.ctx), time.Second)
-		if j.res.Cancel(ctx) != nil {
-			if failed == nil {
-				failed = make(map[string]bool)
-			}
-			failed[j.key] = true
-		}
+		_ = j.res.Cancel(ctx)
 		cancel()
 	}
 	p.mu.Lock()
