@@ -341,10 +341,9 @@ func TestReviewBKOracleSelfCheck(t *testing.T) {
 // ---------------------------------------------------------------------------
 
 type bkHeld struct {
-	r    *reserve.Reservation
-	act  *bkAct
-	key  string
-	dead bool
+	r   *reserve.Reservation
+	act *bkAct
+	key string
 }
 
 type bkRun struct {
@@ -615,14 +614,13 @@ func bkSeeds(n int) []uint64 {
 }
 
 type bkConfig struct {
-	name   string
-	lims   []throttle.Limit
-	fb     reserve.Fallback
-	inst   int
-	fast   bool
-	steps  int
-	seeds  int
-	maxKey int
+	name  string
+	lims  []throttle.Limit
+	fb    reserve.Fallback
+	inst  int
+	fast  bool
+	steps int
+	seeds int
 }
 
 func bkRandom(t *testing.T, cfg bkConfig) {
