@@ -140,8 +140,22 @@ func TestCancelledInFlightGivesBack(t *testing.T) {
 		require.Equal(t, int64(2), n, "the booking and its refund")
 		next, err := l.Reserve(ctx, "later")
 		require.NoError(t, err)
-		require.True(t, next.Booking().At.Equal(first.Booking().At.Add(500*time.Millisecond)),
-			"given back: the next booking takes the slot one interval after the first (%v, %v)", next.Booking().At, first.Booking().At)
+		// Given back, the key's TAT is the first booking's end, one
+		// interval after it, and the next booking lands at max(that, its
+		// decision time) on the Redis clock; kept, one interval later
+		// still. A busy machine may take longer than the interval to get
+		// here: the next booking is then immediate, and tells only while
+		// it comes before the kept booking's end.
+		want := first.Booking().At.Add(500 * time.Millisecond)
+		at := next.Booking().At
+		if next.Booking().Wait == 0 && !at.Before(want.Add(500*time.Millisecond)) {
+			t.Skipf("the next booking came %v after the first: inconclusive", at.Sub(first.Booking().At))
+		}
+		if next.Booking().Wait > 0 {
+			require.True(t, at.Equal(want), "given back: the next booking takes the slot one interval after the first (%v, %v)", at, first.Booking().At)
+		} else {
+			require.False(t, at.Before(want), "the next booking came before the first one's end (%v, %v)", at, first.Booking().At)
+		}
 	})
 }
 
