@@ -59,10 +59,11 @@ func FailClosed() Fallback { return Fallback{kind: failClosed, configured: true}
 // Limiter's limits, limit/instances, while Redis is unavailable, with one
 // local limiter per limit, a GCRA as in Redis on this process's monotonic
 // clock: a request passes when every limit's share lets it. Views made
-// with Limiter.With share one local state. instances is learned while Redis is up: each process records a heartbeat
-// every interval (one Redis call per interval, never per request) in a
-// sorted set that forgets a process after three intervals. Until the first
-// heartbeat, assumed instances is used (at least 1). A share's burst is at
+// with Limiter.With share one local state. instances is learned while
+// Redis is up: each process records a heartbeat every interval (one Redis
+// call per interval, never per request) in a sorted set that forgets a
+// process after three intervals. Until the first heartbeat, assumed
+// instances is used (at least 1). A share's burst is at
 // least one request: with more processes than the limit's burst+1, they
 // may together admit one request each at once, more than the burst. At
 // most maxKeys local limiters are kept; past that, one is dropped for each
@@ -365,7 +366,8 @@ func (l *Limiter) fallbackAllow(ctx context.Context, key string, n int) (throttl
 		return throttle.Result{RetryAfter: probe}, nil
 	}
 	now := time.Now()
-	if _, after, ok := l.localReserve(key, n, now, 0); !ok {
+	booked, after, ok := l.localReserve(key, n, now, 0)
+	if !ok {
 		obs.ObserveDecision(l.name, throttle.FallbackRefused, after)
 		return throttle.Result{RetryAfter: after}, nil
 	}
@@ -373,7 +375,7 @@ func (l *Limiter) fallbackAllow(ctx context.Context, key string, n int) (throttl
 	remaining := int64(math.MaxInt)
 	f.mu.Lock()
 	t := f.instant(now)
-	for _, b := range f.limiters(key, l.limits).b {
+	for _, b := range booked.key.b { // the limiters it was booked in
 		remaining = min(remaining, b.room(t))
 	}
 	f.mu.Unlock()
