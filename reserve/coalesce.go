@@ -198,14 +198,18 @@ func (l *Limiter) lead(key string, ks *keyState, c *call) {
 
 // finish returns the call's outcome once its batch is back. A caller whose
 // context ended meanwhile gets the context's error, and anything booked for
-// it is given back.
+// it is given back before it returns: by book, with the batch's late
+// bookings (its caller gone at the reply), or here.
 func (c *call) finish() (*Reservation, error) {
 	err := waitbound.Ended(c.ctx)
 	if err == nil {
 		return c.res, c.err
 	}
-	if c.res != nil && c.res.OK() {
-		_ = c.res.giveBack(c.ctx, true) // the caller never had it
+	switch r := c.res; {
+	case r != nil && r.OK():
+		_ = r.giveBack(c.ctx, true) // the caller never had it
+	case r != nil && r.late != nil && r.late.after != nil:
+		<-r.late.after // the batch's give-backs, its own among them
 	}
 	return nil, endedErr(err, c.err)
 }

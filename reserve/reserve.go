@@ -319,7 +319,10 @@ func (l *Limiter) Reserve(ctx context.Context, key string) (*Reservation, error)
 // Concurrent calls for the same key share Redis calls (see WithCoalescing):
 // a caller that finds fewer than four other callers of the key is sent at
 // once; more callers arriving while a call is in flight go together in the
-// next one, each judged on its own budget.
+// next one, each judged on its own budget. In a shared call, the slots of
+// callers that will not act (gone, or made late by the reply's latency)
+// go to the call's later callers of as many units, who act earlier for
+// it, and the call's latest slots go back in full (see ReserveBatch).
 func (l *Limiter) ReserveN(ctx context.Context, key string, n int) (*Reservation, error) {
 	return l.reserveN(ctx, key, n, l.maxWait)
 }
@@ -396,10 +399,23 @@ type BatchRequest struct {
 // all of it in one refund: see throttle.Engine.BookAll). A request
 // whose Context has ended by the time the call is sent books nothing: its
 // Reservation is not OK and its Err is the context's error (no call is
-// made if every request's has). A request the reply's latency made late
-// is refused and its booking given back, unless it asks to hold it
-// (HoldLate): at once if no later booking of the batch stands on it, else
-// by the Cancel of the nearest later one (cancelled latest first, all of
+// made if every request's has). A request whose Context ends while the
+// call is out is refused with the context's error, and one that the
+// reply's latency made late with ErrWouldExceedDeadline; neither holds a
+// booking, unless it asks to hold it (HoldLate: a request held for its
+// caller is answered as if its Context had not ended, and a late one
+// holds its booking).
+//
+// The slots of the requests that will not act are handed down: the
+// requests that stand (booked, or held) take the earliest of the batch's
+// bookings of their number of units, in order, each no later than its
+// own (so a request may get an earlier slot than Redis booked for it, and
+// one made late at its own slot may fit its deadline at an earlier one),
+// and the latest are given back, at once. A booking gives its room back
+// only while nothing booked after it stands, so one left under a booking
+// that is used would pass unused. Bookings of another number of units
+// do not change hands: a refused request's booking under a later one that
+// stands goes back with that one's Cancel (cancelled latest first, all of
 // the batch's room comes back). It is what a worker pool uses to book
 // slots for its backlog.
 func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequest) ([]*Reservation, error) {
@@ -464,11 +480,6 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 	// The local time is read only for a caller with a deadline, whose
 	// budget counts from it (a clock read costs on the hot path).
 	var now time.Time
-	type sent struct {
-		c      *call
-		budget time.Duration
-		bound  error
-	}
 	// A caller alone (the common case) needs no slices on the heap.
 	var (
 		reqBuf [1]throttle.Request
@@ -500,7 +511,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 			maxWait = throttle.Forever
 		}
 		reqs = append(reqs, throttle.Request{N: c.n, MaxWait: maxWait})
-		out = append(out, sent{c, budget, bound})
+		out = append(out, sent{c: c, budget: budget, bound: bound})
 	}
 	if len(reqs) == 0 {
 		return nil
@@ -524,7 +535,20 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 	if useFallback {
 		gone = waitbound.Ended(ctx)
 	}
-	anyLate := false // a booking refused late and not held
+	var take []int // the booking each request takes, if not its own
+	if err == nil && !useFallback {
+		// Whether each caller has gone while the call was out, looked at
+		// once: the hand-down and the answer must agree.
+		for i := range out {
+			if !out[i].c.hold {
+				out[i].gone = out[i].c.ctx.Err()
+			}
+		}
+		if len(out) > 1 {
+			take = l.handDown(out, bs, arrived)
+		}
+	}
+	anyLate := false // a booking refused late, or for a caller gone, and not held
 	for i, s := range out {
 		if useFallback {
 			cerr := waitbound.Ended(s.c.ctx)
@@ -548,21 +572,32 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 			s.c.err = err
 			continue
 		}
-		r := &Reservation{lim: l, key: key, booking: &bs[i]}
-		switch act := arrived.Add(bs[i].Wait); {
-		case !bs[i].OK:
-			r.err = deadline.Refuse(s.bound, s.budget, bs[i].Wait)
-		case l.pastDeadline(s.c.ctx, act):
+		j := i
+		if take != nil {
+			j = take[i]
+		}
+		r := &Reservation{lim: l, key: key, booking: &bs[j]}
+		act := arrived.Add(bs[j].Wait)
+		tooLate := bs[j].OK && l.pastDeadline(s.c.ctx, act)
+		switch {
+		case !bs[j].OK:
+			r.err = deadline.Refuse(s.bound, s.budget, bs[j].Wait)
+		case tooLate && s.c.hold:
 			// The reply's latency ate the room the budget left: the
-			// caller would act too late. Refuse, and give the slot back
-			// (or leave it to a caller that holds it, for Cancel).
+			// caller would act too late. Refused, its booking left to
+			// the caller, for Cancel or Claim.
 			r.err = deadline.Refuse(deadline.ErrWouldExceedDeadline, s.budget, act.Sub(now))
 			r.act = act // for Cancel's look at whether the slot has come
-			if s.c.hold {
-				r.held = true
-				break
+			r.held = true
+		case tooLate || s.gone != nil:
+			// Late, or its caller gone: refused, and the slot given back
+			// here (see below).
+			r.err = s.gone
+			if tooLate {
+				r.err = deadline.Refuse(deadline.ErrWouldExceedDeadline, s.budget, act.Sub(now))
 			}
-			given := bs[i] // given back, see below (bs[i] stays as booked)
+			r.act = act
+			given := bs[j] // given back, see below (bs[j] stays as booked)
 			given.OK = false
 			r.booking = &given
 			anyLate = true
@@ -577,12 +612,21 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 	// A late booking gives its room back only while nothing booked after
 	// it stands. Those above every booking that stands (booked, or held
 	// for its caller) go back at once, the latest first (late, for
-	// giveBackLate); one under a booking that stands goes back with the
+	// giveBackLate); one under a booking that stands (of another number of
+	// units, which the hand-down does not reach) goes back with the
 	// nearest such booking above it, once that one's Cancel has given it
 	// back (below): if that one is used instead, there is nothing to give.
+	holder := func(i int) *Reservation { return out[i].c.res }
+	if take != nil {
+		byBooking := make([]*Reservation, len(out))
+		for i, j := range take {
+			byBooking[j] = out[i].c.res
+		}
+		holder = func(j int) *Reservation { return byBooking[j] }
+	}
 	var carrier *Reservation
 	for i := len(out) - 1; i >= 0; i-- {
-		r := out[i].c.res
+		r := holder(i)
 		switch {
 		case r.OK() || r.held:
 			carrier = r
@@ -593,6 +637,78 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 		}
 	}
 	return late
+}
+
+// handDown works out, for a batch of several requests (out) that Redis
+// answered (bs), which booking each request takes, by its index in bs: the
+// requests whose callers will act in their slot (or hold it, HoldLate)
+// take the earliest of the batch's bookings of their number of units, in
+// order, and those that will not (made late by the reply's latency, or
+// whose caller has gone while the call was out) take the rest, the latest.
+// A booking gives its room back only while nothing booked after it
+// stands, so a slot left under one that is used would pass unused; on
+// top, it goes back in full. Bookings of as many units span as much of
+// the limit, so they change hands whole; and each request takes a booking
+// no later than its own (the earliest not taken, counting its own), so
+// it keeps within its budget. A request that Redis refused keeps its
+// answer.
+func (l *Limiter) handDown(out []sent, bs []throttle.Booking, arrived time.Time) []int {
+	// The batch's bookings by number of units, in order, and how many of
+	// each are taken: always the earliest.
+	type units struct {
+		n     int
+		slots []int
+		taken int
+	}
+	var groups []units
+	group := func(n int) *units {
+		for g := range groups {
+			if groups[g].n == n {
+				return &groups[g]
+			}
+		}
+		groups = append(groups, units{n: n})
+		return &groups[len(groups)-1]
+	}
+	for i, s := range out {
+		if bs[i].OK {
+			g := group(s.c.n)
+			g.slots = append(g.slots, i)
+		}
+	}
+	take := make([]int, len(out))
+	var left []int // the requests that will not act, in order
+	for i, s := range out {
+		take[i] = i
+		if !bs[i].OK {
+			continue
+		}
+		g := group(s.c.n)
+		j := g.slots[g.taken]
+		if s.gone == nil && (s.c.hold || !l.pastDeadline(s.c.ctx, arrived.Add(bs[j].Wait))) {
+			take[i] = j
+			g.taken++
+			continue
+		}
+		left = append(left, i)
+	}
+	for _, i := range left {
+		g := group(out[i].c.n)
+		take[i] = g.slots[g.taken]
+		g.taken++
+	}
+	return take
+}
+
+// sent is a request book sends: its call, the budget it was judged on and
+// what bounds it (for the refusal's error), and, once the reply is in,
+// whether its caller has gone meanwhile (the context's error), for a
+// request not held (HoldLate).
+type sent struct {
+	c      *call
+	budget time.Duration
+	bound  error
+	gone   error
 }
 
 // giveBackLate gives back late, the bookings book refused once the reply

@@ -160,8 +160,10 @@ func raTAT(t *testing.T, rdb *redis.Client, prefix, subject string) int64 {
 // ReserveBatch with HoldLate), some ended before they were sent (E).
 
 type raCase struct {
-	kind byte
-	slot int64 // expected slot for B, L, H (µs on the Redis clock); R, E: the one it would have had
+	kind byte  // the outcome expected: ask's, or B for an L or H handed an earlier slot it fits
+	ask  byte  // the kind of request made
+	own  int64 // the slot Redis books for it (µs on the Redis clock); R: the one it would have had
+	slot int64 // expected slot for B, L, H once the batch has handed slots down; R, E: own
 	r    *reserve.Reservation
 	snap throttle.Booking // Booking() right after it was returned
 	v    *reserve.Reservation
@@ -178,10 +180,12 @@ func raSame(a, b throttle.Booking) bool { return fmt.Sprintf("%+v", a) == fmt.Sp
 // rooms: whether the case took room in Redis.
 func (c *raCase) room() bool { return c.kind == 'B' || c.kind == 'L' || c.kind == 'H' || c.kind == 'X' }
 
-// carries: whether the case's booking stands in its batch when the reply
-// arrives (a late refusal under it goes back with its give-back). X: booked,
-// but its caller's context ended in flight (ReserveN gives it back itself).
-func (c *raCase) carries() bool { return c.holds() || c.kind == 'X' }
+// given: whether its batch gives the case's booking back itself: a late
+// refusal not held (L), or a caller ended in flight (X). The batch hands
+// their slots down to the requests after them that stand, so every such
+// booking lies above those that stand (the batches here are of one unit
+// each), and goes back at once.
+func (c *raCase) given() bool { return c.kind == 'L' || c.kind == 'X' }
 
 // holds: whether the caller holds the room (its Cancel gives it back).
 func (c *raCase) holds() bool { return c.kind == 'B' || c.kind == 'H' }
@@ -255,17 +259,36 @@ func (s *raScene) ctxFor(k byte, slot int64) context.Context {
 	return ctx
 }
 
-// plan lays out kinds in order from first, the slot of the first booking:
-// each B, L or H takes the next slot.
+// plan lays out kinds in order from first, the slot of the first booking
+// (ReserveBatch's doc): Redis books each B, L, H or X the next slot (own);
+// then the requests that stand take the earliest slots in order, each the
+// earliest not taken (no later than its own), and those that will not act
+// take the rest. An L or H handed a slot earlier than its own fits its
+// deadline there (it lies an interval, 5 s, before): it is booked (B). An
+// L at its own slot is late (given back), an H held, an X given back.
 func (s *raScene) plan(kinds string, first int64) []*raCase {
-	var cs []*raCase
-	next := first
+	var cs, left []*raCase
+	own, next := first, first
 	for _, k := range []byte(kinds) {
-		c := &raCase{kind: k, slot: next} // R: the slot it would have had
+		c := &raCase{kind: k, ask: k, own: own, slot: own} // R: the slot it would have had
 		if c.room() {
-			next += raT.Microseconds()
+			own += raT.Microseconds()
+			switch {
+			case k == 'X', k == 'L' && next == c.own:
+				left = append(left, c)
+			default:
+				if (k == 'L' || k == 'H') && next < c.own {
+					c.kind = 'B'
+				}
+				c.slot = next
+				next += raT.Microseconds()
+			}
 		}
 		cs = append(cs, c)
+	}
+	for _, c := range left {
+		c.slot = next
+		next += raT.Microseconds()
 	}
 	return cs
 }
@@ -370,11 +393,10 @@ func (s *raScene) cancelOne(c *raCase) {
 
 // expect is the TAT the doc promises once the cancels in order have run
 // one after another: a room comes back when its holder cancels while no
-// room after it is still taken; a late refusal not held goes back at once
-// when only late refusals lie after it in its batch, else with the Cancel
-// of the nearest booking held after it in its batch, if that one came back
-// (see BatchRequest.HoldLate and Reservation.Cancel). batches lists the
-// cases of each batch call.
+// room after it is still taken; a late refusal not held, and a caller
+// ended in flight, go back at once, above every booking of their batch
+// that stands (see plan and ReserveBatch). batches lists the cases of
+// each batch call.
 func (s *raScene) expect(batches [][]*raCase, order []*raCase) int64 {
 	taken := map[*raCase]bool{}
 	var rooms []*raCase
@@ -399,26 +421,15 @@ func (s *raScene) expect(batches [][]*raCase, order []*raCase) int64 {
 			delete(taken, c)
 		}
 	}
-	carrier := map[*raCase][]*raCase{} // held booking -> late refusals right under it, latest first
 	for _, b := range batches {
-		var held *raCase
-		for i := len(b) - 1; i >= 0; i-- {
-			c := b[i]
-			switch {
-			case c.carries():
-				held = c
-			case c.kind == 'L' && held != nil:
-				carrier[held] = append(carrier[held], c)
-			case c.kind == 'L':
-				give(c)
-			}
+		given := slices.DeleteFunc(slices.Clone(b), func(c *raCase) bool { return !c.given() })
+		sort.Slice(given, func(i, j int) bool { return given[i].slot > given[j].slot })
+		for _, c := range given { // the latest first
+			give(c)
 		}
 	}
-	for _, c := range slices.Concat(s.xs, order) {
+	for _, c := range order {
 		give(c)
-		for _, l := range carrier[c] {
-			give(l)
-		}
 	}
 	tat := s.tat0
 	for c := range taken {
@@ -428,23 +439,16 @@ func (s *raScene) expect(batches [][]*raCase, order []*raCase) int64 {
 }
 
 // refunds checks the refund calls made for the scenario, given the
-// holders whose Cancel ran (in any order): one per holder cancelled, one
-// per late refusal given back by its batch at once, and one per late
-// refusal under a holder cancelled; none twice (each booking's tombstone
-// once).
+// holders whose Cancel ran (in any order): one per holder cancelled, and
+// one per booking its batch gives back itself (late, or its caller ended
+// in flight); none twice (each booking's tombstone once).
 func (s *raScene) refunds(batches [][]*raCase, cancelled []*raCase) {
 	t := s.t
 	t.Helper()
-	cancelled = slices.Concat(s.xs, cancelled)
 	want := len(cancelled)
 	for _, b := range batches {
-		var held *raCase
-		for i := len(b) - 1; i >= 0; i-- {
-			c := b[i]
-			switch {
-			case c.carries():
-				held = c
-			case c.kind == 'L' && (held == nil || slices.Contains(cancelled, held)):
+		for _, c := range b {
+			if c.given() {
 				want++
 			}
 		}
@@ -518,7 +522,7 @@ func (s *raScene) coalesced(kinds string) [][]*raCase {
 	t := s.t
 	t.Helper()
 	reserve.SetSoloBelow(s.l, 1)
-	lead := &raCase{kind: 'B', slot: s.tat0}
+	lead := &raCase{kind: 'B', ask: 'B', own: s.tat0, slot: s.tat0}
 	cs := s.plan(kinds, s.tat0+raT.Microseconds())
 	type res struct {
 		r   *reserve.Reservation
@@ -535,7 +539,7 @@ func (s *raScene) coalesced(kinds string) [][]*raCase {
 	<-s.h.entered
 	s.h.after.Store(int64(40 * time.Millisecond))
 	for i, c := range cs {
-		run(i+1, s.ctxFor(c.kind, c.slot))
+		run(i+1, s.ctxFor(c.ask, c.own))
 		require.Eventually(t, func() bool { return reserve.QueueLen(s.l, s.key) == i+1 }, 5*time.Second, time.Millisecond,
 			"caller %d did not queue", i)
 	}
@@ -576,7 +580,7 @@ func (s *raScene) batch(kinds string) [][]*raCase {
 	cs := s.plan(kinds, s.tat0)
 	reqs := make([]reserve.BatchRequest, len(cs))
 	for i, c := range cs {
-		reqs[i] = reserve.BatchRequest{Context: s.ctxFor(c.kind, c.slot), N: 1, HoldLate: c.kind == 'H' || (c.kind != 'L' && i%2 == 0)}
+		reqs[i] = reserve.BatchRequest{Context: s.ctxFor(c.ask, c.own), N: 1, HoldLate: c.ask == 'H' || (c.ask != 'L' && i%2 == 0)}
 	}
 	s.h.after.Store(int64(40 * time.Millisecond))
 	rs, err := s.l.ReserveBatch(context.Background(), s.key, reqs)
@@ -633,9 +637,7 @@ func raRun(t *testing.T, s *raScene, batches [][]*raCase, how string, rng *rand.
 		}
 		s.refunds(batches, holders)
 		s.final(s.expect(batches, holders), nil)
-		if len(s.xs) == 0 { // (a caller ended in flight gave its room back first, not latest first)
-			require.Equal(t, s.tat0, raTAT(t, s.e.rdb, s.e.prefix, s.key), "cancelled latest first: every room of the batch came back")
-		}
+		require.Equal(t, s.tat0, raTAT(t, s.e.rdb, s.e.prefix, s.key), "cancelled latest first: every room of the batch came back")
 	case "random":
 		rng.Shuffle(len(holders), func(i, j int) { holders[i], holders[j] = holders[j], holders[i] })
 		var order []*raCase
@@ -791,7 +793,9 @@ func TestReviewAliasEveryOrder(t *testing.T) {
 		rec(nil, make([]bool, n))
 		return out
 	}
-	for _, sc := range []struct{ how, kinds string }{{"coalesced", "LBLBL"}, {"batch", "HLBLHL"}, {"coalesced", "LXLBLB"}, {"coalesced", "BLBLXL"}} {
+	// Three holders each (the coalesced leader is one), once the late
+	// (L) and ended (X) requests' slots are handed down; see plan.
+	for _, sc := range []struct{ how, kinds string }{{"coalesced", "LBB"}, {"batch", "HLBB"}, {"coalesced", "LXBB"}, {"coalesced", "BLXB"}} {
 		for n, p := range perms(3) {
 			t.Run(fmt.Sprintf("%s-%s-%v", sc.how, sc.kinds, p), func(t *testing.T) {
 				s := newRAScene(t, "k")
@@ -826,14 +830,13 @@ func TestReviewAliasEveryOrder(t *testing.T) {
 	}
 }
 
-// TestReviewAliasLostReply: a batch B L B (the late one under the last
-// booking, given back by its Cancel). The last one's Cancel loses its reply
-// (the refund ran): it fails, and the late room under it is not given back
-// yet. Retried, it succeeds and gives the late room back: cancelled latest
-// first, everything comes back. In the second run another booking takes
-// the room between the lost reply and the retry: the retry must give
-// nothing back (not that booking's room, which ends where the cancelled
-// one did), nor the late room under it.
+// TestReviewAliasLostReply: a batch B L B (the late one's slot handed down
+// to the last one, its own given back by the batch at once). The last
+// one's Cancel loses its reply (the refund ran): it fails. Retried, it
+// succeeds: cancelled latest first, everything comes back. In the second
+// run another booking takes the room between the lost reply and the
+// retry: the retry must give nothing back (not that booking's room, which
+// ends where the cancelled one did).
 func TestReviewAliasLostReply(t *testing.T) {
 	t.Parallel()
 	for _, intruder := range []bool{false, true} {
@@ -842,13 +845,20 @@ func TestReviewAliasLostReply(t *testing.T) {
 			batches := s.batch("BLB")
 			b0, l1, b2 := s.cases[0], s.cases[1], s.cases[2]
 			ctx := context.Background()
+			// The batch's own give-back of the late booking first (it goes
+			// out after the batch has returned), its reply in, so that the
+			// reply lost is the Cancel's.
+			s.h.after.Store(0)
+			require.Eventually(t, func() bool { return raTAT(t, s.e.rdb, s.e.prefix, s.key) == l1.slot }, 3*time.Second, time.Millisecond)
+			time.Sleep(200 * time.Millisecond)
 			s.h.loseRefund.Store(true)
 			err := b2.r.Cancel(ctx)
 			require.Error(t, err, "the refund's reply was lost")
 			require.ErrorIs(t, err, throttle.ErrReplyLost)
 			require.Equal(t, int64(1), s.h.lost.Load())
-			require.Equal(t, l1.slot+raT.Microseconds(), raTAT(t, s.e.rdb, s.e.prefix, s.key),
-				"the refund ran: the key is back at the late booking's end")
+			require.Equal(t, b2.slot, raTAT(t, s.e.rdb, s.e.prefix, s.key),
+				"the refund ran: the key is back at the last booking's slot (the late one's above it given back)")
+			require.Equal(t, b2.slot+raT.Microseconds(), l1.slot, "the late one's slot handed down")
 			// The lost reply opened the engine's breaker: calls fail fast
 			// (nothing sent) until a probe succeeds.
 			var c *reserve.Reservation
@@ -885,7 +895,7 @@ func TestReviewAliasLateSingle(t *testing.T) {
 			l, err := s.l.With(reserve.WithCoalescing(coalesce))
 			require.NoError(t, err)
 			s.h.after.Store(int64(40 * time.Millisecond))
-			c := &raCase{kind: 'L', slot: s.tat0}
+			c := &raCase{kind: 'L', ask: 'L', own: s.tat0, slot: s.tat0}
 			r, err := l.Reserve(s.ctxFor('L', c.slot), s.key)
 			require.NoError(t, err)
 			c.r = r
@@ -1206,7 +1216,7 @@ func TestReviewAliasGoexitBatchDecision(t *testing.T) {
 	cs := s.plan("BLBL", s.tat0+raT.Microseconds())
 	var chans []chan raOutcome
 	for i, c := range cs {
-		chans = append(chans, raGo(s.l, s.ctxFor(c.kind, c.slot), s.key))
+		chans = append(chans, raGo(s.l, s.ctxFor(c.ask, c.own), s.key))
 		require.Eventually(t, func() bool { return reserve.QueueLen(s.l, s.key) == i+1 }, 5*time.Second, time.Millisecond)
 	}
 	obs.decisionsToGoexit.Store(2) // the leader's decision passes; the batch's first ends its sender

@@ -2,7 +2,11 @@ package reserve_test
 
 // Review of c21e606 (a late booking of a batch under a later booking that
 // stands is given back by that booking's Cancel, right after its own)
-// through the public API. Slots are 2 s apart (none comes during a test
+// through the public API, brought up to date with the hand-down inside a
+// batch (a late booking's slot goes to the later requests that stand, and
+// the late ones take the batch's latest slots; see belowBatch). The
+// carrier mechanism itself now serves bookings of another number of
+// units only. Slots are 2 s apart (none comes during a test
 // unless waited for); room is judged by the slot of the next booking on
 // the Redis clock (Booking().At) against the bookings that stand, a
 // textbook GCRA with no burst: the next slot is one interval after the
@@ -36,8 +40,12 @@ const (
 
 // belowBatch books a head for key and then one batch after pattern: 'B'
 // a request with no deadline (booked), 'L' one made late by the reply's
-// delay (not held), 'H' one made late and held. It returns the head and
-// the batch's reservations, having checked each came back as asked.
+// delay at its own slot (not held), 'H' one made late and held. It returns
+// the head and the batch's reservations, having checked each came back as
+// ReserveBatch's doc has it: the requests that stand take the earliest
+// slots in order (each the earliest not taken), so an L or H after a late
+// L is handed a slot an interval before its own, fits its deadline there
+// and is booked; the late L's take the slots left, the latest.
 func belowBatch(t *testing.T, l *reserve.Limiter, key, pattern string) (*reserve.Reservation, []*reserve.Reservation) {
 	t.Helper()
 	ctx := context.Background()
@@ -56,9 +64,30 @@ func belowBatch(t *testing.T, l *reserve.Limiter, key, pattern string) (*reserve
 	}
 	rs, err := l.ReserveBatch(ctx, key, reqs)
 	require.NoError(t, err)
-	for i, c := range pattern {
+	// Each request's slot, in intervals after the head, and its outcome.
+	slot, kind := make([]int, len(pattern)), []byte(pattern)
+	own, next := 1, 1
+	var left []int
+	for i, c := range kind {
+		switch {
+		case c == 'B':
+			slot[i], next = next, next+1
+		case next < own:
+			kind[i] = 'B'
+			slot[i], next = next, next+1
+		case c == 'H':
+			slot[i], next = next, next+1
+		default:
+			left = append(left, i)
+		}
+		own++
+	}
+	for _, i := range left {
+		slot[i], next = next, next+1
+	}
+	for i, c := range kind {
 		r := rs[i]
-		require.Equal(t, head.Booking().At.Add(time.Duration(i+1)*interval), r.Booking().At, "request %d's slot", i)
+		require.Equal(t, head.Booking().At.Add(time.Duration(slot[i])*interval), r.Booking().At, "%s: request %d's slot", pattern, i)
 		switch c {
 		case 'B':
 			require.True(t, r.OK(), "request %d: %v", i, r.Err())
@@ -116,18 +145,26 @@ func TestReviewBelowInterleavedLatestFirst(t *testing.T) {
 	}
 }
 
-// TestReviewBelowCarrierLostReplyRetried: batch "LB", the booked one
-// carries the late one. The reply to its Cancel is lost (held back, then
-// the connection dropped): Cancel errs, and called again it succeeds; the
-// late one's room comes back then, once: the next two bookings take the
-// late one's slot and the booked one's.
+// TestReviewBelowCarrierLostReplyRetried: batch "LB" (the late one's slot
+// handed down to the booked one, its own given back by the batch). The
+// reply to the last booking's Cancel is lost (held back, then the
+// connection dropped): Cancel errs, and called again it succeeds; with the
+// others cancelled latest first, every room comes back, once: the next
+// bookings take the batch's slots in turn.
 func TestReviewBelowCarrierLostReplyRetried(t *testing.T) {
 	t.Parallel()
 	l, p := belowLimiter(t, "lost", 2*time.Second)
-	for _, pattern := range []string{"LB", "LLB", "LH"} {
+	for _, pattern := range []string{"LB", "LLB", "LH", "BLB"} {
 		key := "lost" + pattern
 		head, rs := belowBatch(t, l, key, pattern)
-		carrier := rs[len(rs)-1]
+		time.Sleep(4 * belowDelay) // the batch's own give-backs are in
+		var stand []*reserve.Reservation
+		for _, r := range rs {
+			if belowStands(r) {
+				stand = append(stand, r)
+			}
+		}
+		carrier := stand[len(stand)-1]
 		p.SetReplyDelay(2 * time.Second)
 		errc := make(chan error, 1)
 		go func() { errc <- carrier.Cancel(context.Background()) }()
@@ -137,6 +174,9 @@ func TestReviewBelowCarrierLostReplyRetried(t *testing.T) {
 		p.SetReplyDelay(0)
 		redistest.UntilOK(t, func() error { return carrier.Cancel(context.Background()) })
 		require.NoError(t, carrier.Cancel(context.Background()), "and again")
+		for k := len(stand) - 2; k >= 0; k-- {
+			require.NoError(t, stand[k].Cancel(context.Background()))
+		}
 		for k := range rs {
 			want := head.Booking().At.Add(time.Duration(k+1) * 2 * time.Second)
 			require.Equal(t, want, belowNext(t, l, key), "%s: slot %d back, once", pattern, k)
@@ -145,12 +185,14 @@ func TestReviewBelowCarrierLostReplyRetried(t *testing.T) {
 	}
 }
 
-// TestReviewBelowCarrierUsed: slots 1 s apart; batch "LB". The caller waits for the booked
-// one's slot (it is used), then cancels it: nothing is given back, the
-// late one's room neither (its slot has passed under the used one): the
+// TestReviewBelowCarrierUsed: slots 1 s apart; batch "LB" (the late one's
+// slot handed down to the booked one). The caller waits for the booked
+// one's slot (it is used), then cancels it: nothing is given back: the
 // next booking lies an interval after the used slot, never before.
-// Also the Wait cut short on the carrier: it gives back its own booking
-// and the late one's, so the next booking takes the late one's slot.
+// Also "BLLB" (the first L late, its slot handed down: the second L is
+// booked an interval earlier than its own): the Wait of the last one cut
+// short gives its booking back, and the others cancelled latest first
+// give theirs: the next booking takes the slot right after the head.
 func TestReviewBelowCarrierUsed(t *testing.T) {
 	t.Parallel()
 	l, _ := belowLimiter(t, "used", time.Second)
@@ -167,6 +209,8 @@ func TestReviewBelowCarrierUsed(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
 		defer cancel()
 		require.ErrorIs(t, rs[3].Wait(ctx), context.DeadlineExceeded)
+		require.True(t, rs[2].OK(), "the second L, handed an earlier slot: %v", rs[2].Err())
+		require.NoError(t, rs[2].Cancel(context.Background()))
 		require.NoError(t, rs[0].Cancel(context.Background()))
 		require.Equal(t, head.Booking().At.Add(time.Second), belowNext(t, l, "cut"), "all back")
 	})
