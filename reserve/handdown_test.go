@@ -14,13 +14,16 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/deadline"
+	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/reserve"
 	"github.com/slotbook/slotbook/throttle"
 )
@@ -245,5 +248,112 @@ func TestBatchHandsDownMixedUnits(t *testing.T) {
 		}
 		got := belowNext(t, l, key).Sub(h)
 		require.Equal(t, control, got, "withOne=%v: the next booking lands as the control's", withOne)
+	}
+}
+
+// slowRefunds is a go-redis hook that holds each refund call (its keys
+// name a booking's tombstone, ":x:") back before it is sent, and each
+// other script call's reply after it runs.
+type slowRefunds struct {
+	refund, reply time.Duration
+}
+
+func (slowRefunds) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (slowRefunds) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+func (h slowRefunds) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if n := cmd.Name(); n != "evalsha" && n != "eval" {
+			return next(ctx, cmd)
+		}
+		for _, a := range cmd.Args() {
+			if s, ok := a.(string); ok && strings.Contains(s, ":x:") {
+				time.Sleep(h.refund)
+				return next(ctx, cmd)
+			}
+		}
+		err := next(ctx, cmd)
+		time.Sleep(h.reply)
+		return err
+	}
+}
+
+// TestCoalescedLateGoesBackBeforeNextBatch: coalescing on, every caller
+// queued behind the call in flight (SetSoloBelow 1), slots 2 s apart, each
+// booking's reply 80 ms late and each refund 40 ms slow to leave. A
+// batch's late caller (its deadline just after its slot: the reply's delay
+// makes it late) is its latest booking, given back by the limiter; the
+// next batch of the key, queued meanwhile, must not be booked before that
+// give-back is in: its bookings would stand on the late one's, which could
+// then give nothing back. Textbook GCRA with no burst: the late caller
+// never acts, so the next batch's caller takes the slot right after those
+// that stand. Both ways a batch gives its late bookings back: alone (its
+// sender gives it back itself) and with a caller that stands below it.
+func TestCoalescedLateGoesBackBeforeNextBatch(t *testing.T) {
+	t.Parallel()
+	interval := 2 * time.Second
+	const reply = 80 * time.Millisecond
+	rdb := redistest.Shared(t).Client(t)
+	rdb.AddHook(slowRefunds{refund: reply / 2, reply: reply})
+	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(5*time.Second))
+	require.NoError(t, err)
+	require.NoError(t, eng.Load(context.Background()))
+	l, err := reserve.New(eng, "hdn", throttle.Every(interval, 1, 0), reserve.WithoutMaxWait())
+	require.NoError(t, err)
+	reserve.SetSoloBelow(l, 1)
+	ctx := context.Background()
+	for _, withStanding := range []bool{false, true} {
+		key := fmt.Sprintf("next%v", withStanding)
+		head, err := l.Reserve(ctx, key)
+		require.NoError(t, err)
+		at := func(k int) time.Time { return head.Booking().At.Add(time.Duration(k) * interval) }
+		async := func(c context.Context) chan *reserve.Reservation {
+			ch := make(chan *reserve.Reservation, 1)
+			go func() {
+				r, err := l.Reserve(c, key)
+				if err != nil {
+					r = nil
+				}
+				ch <- r
+			}()
+			return ch
+		}
+		a := async(ctx) // the leader, in flight
+		require.Eventually(t, func() bool { return reserve.QueueLen(l, key) == 0 }, 5*time.Second, time.Millisecond)
+		time.Sleep(reply / 4)
+		// The second batch: [standing?, late], queued behind the leader.
+		var standing chan *reserve.Reservation
+		late := 2
+		if withStanding {
+			standing = async(ctx)
+			require.Eventually(t, func() bool { return reserve.QueueLen(l, key) == 1 }, 5*time.Second, time.Millisecond)
+			late = 3
+		}
+		dl, cancel := context.WithDeadline(ctx, at(late).Add(20*time.Millisecond))
+		defer cancel()
+		lr := async(dl)
+		// The third batch queues once the second is out.
+		queued := 1
+		if withStanding {
+			queued = 2
+		}
+		require.Eventually(t, func() bool { return reserve.QueueLen(l, key) == queued }, 5*time.Second, time.Millisecond)
+		require.Eventually(t, func() bool { return reserve.QueueLen(l, key) == 0 }, 5*time.Second, time.Millisecond)
+		c := async(ctx)
+
+		ra := <-a
+		require.NotNil(t, ra)
+		require.Equal(t, at(1), ra.Booking().At, "the leader")
+		if withStanding {
+			rs := <-standing
+			require.NotNil(t, rs)
+			require.Equal(t, at(2), rs.Booking().At, "the second batch's caller that stands")
+		}
+		rl := <-lr
+		require.True(t, rl == nil || errors.Is(rl.Err(), deadline.ErrWouldExceedDeadline), "the late caller: %v", rl)
+		rc := <-c
+		require.NotNil(t, rc)
+		require.Equal(t, at(late), rc.Booking().At, "withStanding=%v: the third batch's caller takes the late one's slot, given back first", withStanding)
 	}
 }

@@ -458,7 +458,7 @@ func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequ
 		}
 		return nil, err
 	}
-	l.giveBackLate(ctx, k, late, lateAfter(late, calls))
+	l.giveBackLate(ctx, k, late, lateAfter(late, calls), nil)
 	out := make([]*Reservation, len(calls))
 	for i, c := range calls {
 		if c.err != nil {
@@ -712,16 +712,19 @@ type sent struct {
 }
 
 // giveBackLate gives back late, the bookings book refused once the reply
-// was in and that nothing booked stands on, in order (the latest first).
-// With after (see lateAfter) it runs on a goroutine
-// of its own, so that the batch's other calls have their answers first,
-// and closes after once done; without, before it returns. Either way it is
-// bounded by a one-second timeout.
-func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.Booking, after chan struct{}) {
-	if len(late) == 0 {
-		return
-	}
+// was in and that nothing booked stands on, in order (the latest first),
+// then calls then (if not nil). With after (see lateAfter) it runs on a
+// goroutine of its own, so that the batch's other calls have their answers
+// first, and closes after once done; without, before it returns. Either
+// way the give-backs are bounded by a one-second timeout.
+func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.Booking, after chan struct{}, then func()) {
 	run := func() {
+		if then != nil {
+			defer then()
+		}
+		if len(late) == 0 {
+			return
+		}
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 		defer cancel()
 		for _, b := range late {
