@@ -188,7 +188,7 @@ func TestCoalescedHandsDownUnusedSlots(t *testing.T) {
 }
 
 // TestBatchHandsDownMixedUnits: bookings of another number of units do
-// not change hands, and the hand-down reaches past them. Slots 2 s apart,
+// not change hands, nor does a slot pass down under one that stands. Slots 2 s apart,
 // a burst of 1 (room for two units at once), every reply held back 80 ms;
 // each key starts with a head of two units, which takes the burst. A
 // control key books one unit after its head: a textbook GCRA puts it one
@@ -196,9 +196,10 @@ func TestCoalescedHandsDownUnusedSlots(t *testing.T) {
 //   - [L(1), B(2)]: the late one's booking lies under the two-unit one,
 //     which stands; cancelled, that one gives both back;
 //   - [L(1), B(2), B(1)]: the one-unit request after the two-unit one
-//     takes the late one's slot, one interval after the head, and the late
-//     one's booking goes back at once; the two cancelled latest first (the
-//     two-unit one first) give everything back.
+//     does not take the late one's slot, under the two-unit one: the
+//     bookings that stand keep the requests' order, so that they give
+//     everything back cancelled latest first by request (the late one's
+//     with the two-unit one's Cancel).
 //
 // Either way the next one-unit booking lands where the control's did,
 // counted from each key's head.
@@ -237,15 +238,13 @@ func TestBatchHandsDownMixedUnits(t *testing.T) {
 		require.True(t, rs[1].OK(), "%v", rs[1].Err())
 		if withOne {
 			require.True(t, rs[2].OK(), "%v", rs[2].Err())
-			require.Equal(t, h.Add(interval), rs[2].Booking().At, "the one-unit request takes the late one's slot")
-			require.True(t, rs[2].Booking().At.Before(rs[1].Booking().At), "under the two-unit one")
+			require.True(t, rs[2].Booking().At.After(rs[1].Booking().At), "the one-unit request's booking after the two-unit one's")
 		}
-		time.Sleep(4 * belowDelay) // the batch's own give-backs are in
-		// Latest first.
-		require.NoError(t, rs[1].Cancel(ctx))
+		// Latest first, by request.
 		if withOne {
 			require.NoError(t, rs[2].Cancel(ctx))
 		}
+		require.NoError(t, rs[1].Cancel(ctx))
 		got := belowNext(t, l, key).Sub(h)
 		require.Equal(t, control, got, "withOne=%v: the next booking lands as the control's", withOne)
 	}

@@ -17,6 +17,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/slotbook/slotbook/deadline"
@@ -51,9 +52,17 @@ type Limiter struct {
 	coalesce  bool
 	maxQueue  int
 	soloBelow int
-	mu        sync.Mutex           // guards keys and spare, and the keyStates
+	mu        sync.Mutex           // guards keys, spare, the keyStates and giving
 	keys      map[string]*keyState // per subject key with callers in coalesced
 	spare     []*keyState          // keyStates of keys gone idle, for reuse
+
+	// giving holds, per subject key, the give-backs of late bookings under
+	// way (giveBackLate), each closed once done: a booking of the key waits
+	// for them (awaitGiven), since, booked first, it would stand on them
+	// and they would give nothing back. givingN counts them, so that a
+	// booking finds none without taking mu.
+	giving  map[string][]chan struct{}
+	givingN atomic.Int64
 }
 
 // An Option configures a Limiter in New.
@@ -386,8 +395,9 @@ type BatchRequest struct {
 	// late bookings ReserveBatch gives back itself go out after the batch
 	// has returned, so as not to hold back the others' answers; the
 	// Cancel of any booking of the batch, held or not, waits until they
-	// are in. A refusal that holds nothing has nothing to give back, and
-	// its Cancel returns at once.)
+	// are in, and so does the Limiter's next booking of the key, which
+	// would otherwise stand on them. A refusal that holds nothing has
+	// nothing to give back, and its Cancel returns at once.)
 	HoldLate bool
 }
 
@@ -407,17 +417,20 @@ type BatchRequest struct {
 // holds its booking).
 //
 // The slots of the requests that will not act are handed down: the
-// requests that stand (booked, or held) take the earliest of the batch's
-// bookings of their number of units, in order, each no later than its
+// requests that stand (booked, or held) take, in order, the earliest of
+// the batch's bookings of their number of units that lies after the one
+// taken by the request before them that stands, each no later than its
 // own (so a request may get an earlier slot than Redis booked for it, and
-// one made late at its own slot may fit its deadline at an earlier one),
-// and the latest are given back, at once. A booking gives its room back
-// only while nothing booked after it stands, so one left under a booking
-// that is used would pass unused. Bookings of another number of units
-// do not change hands: a refused request's booking under a later one that
-// stands goes back with that one's Cancel (cancelled latest first, all of
-// the batch's room comes back). It is what a worker pool uses to book
-// slots for its backlog.
+// one made late at its own slot may fit its deadline at an earlier one);
+// the bookings that stand keep the requests' order. The latest are given
+// back at once (after ReserveBatch has returned; the Limiter books the key
+// again only once they are in). A booking gives its room back only
+// while nothing booked after it stands, so one left under a booking that
+// is used would pass unused. Bookings of another number of units do not
+// change hands: a refused request's booking under a later one that stands
+// goes back with that one's Cancel (cancelled latest first, in the
+// requests' reverse order, all of the batch's room comes back). It is
+// what a worker pool uses to book slots for its backlog.
 func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequest) ([]*Reservation, error) {
 	k, err := l.engineKey(key)
 	if err != nil {
@@ -516,6 +529,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 	if len(reqs) == 0 {
 		return nil
 	}
+	l.awaitGiven(ctx, key)
 	var one [1]string // the keys of a single limit, off the heap
 	keys := one[:]
 	if len(l.limits) == 1 {
@@ -642,23 +656,25 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 // handDown works out, for a batch of several requests (out) that Redis
 // answered (bs), which booking each request takes, by its index in bs: the
 // requests whose callers will act in their slot (or hold it, HoldLate)
-// take the earliest of the batch's bookings of their number of units, in
-// order, and those that will not (made late by the reply's latency, or
-// whose caller has gone while the call was out) take the rest, the latest.
-// A booking gives its room back only while nothing booked after it
-// stands, so a slot left under one that is used would pass unused; on
-// top, it goes back in full. Bookings of as many units span as much of
-// the limit, so they change hands whole; and each request takes a booking
-// no later than its own (the earliest not taken, counting its own), so
-// it keeps within its budget. A request that Redis refused keeps its
-// answer.
+// take, in order, each the earliest of the batch's bookings of its number
+// of units that lies after the booking taken by the one before it (so
+// that the bookings that stand keep the requests' order, and one given
+// back latest first by request gives its room back), and those that will
+// not (made late by the reply's latency, or whose caller has gone while
+// the call was out) take the rest. A booking gives its room back only
+// while nothing booked after it stands, so a slot left under one that is
+// used would pass unused; on top, it goes back in full. Bookings of as
+// many units span as much of the limit, so they change hands whole; and
+// each request takes a booking no later than its own (its own is free,
+// and lies after any taken before it), so it keeps within its budget. A
+// request that Redis refused keeps its answer.
 func (l *Limiter) handDown(out []sent, bs []throttle.Booking, arrived time.Time) []int {
-	// The batch's bookings by number of units, in order, and how many of
-	// each are taken: always the earliest.
+	// The batch's bookings by number of units, in order, and which of
+	// them are taken.
 	type units struct {
 		n     int
 		slots []int
-		taken int
+		taken []bool
 	}
 	var groups []units
 	group := func(n int) *units {
@@ -674,28 +690,36 @@ func (l *Limiter) handDown(out []sent, bs []throttle.Booking, arrived time.Time)
 		if bs[i].OK {
 			g := group(s.c.n)
 			g.slots = append(g.slots, i)
+			g.taken = append(g.taken, false)
 		}
 	}
 	take := make([]int, len(out))
 	var left []int // the requests that will not act, in order
+	floor := -1    // the booking taken by the last request that stands
 	for i, s := range out {
 		take[i] = i
 		if !bs[i].OK {
 			continue
 		}
 		g := group(s.c.n)
-		j := g.slots[g.taken]
+		k := 0
+		for g.taken[k] || g.slots[k] < floor {
+			k++
+		}
+		j := g.slots[k]
 		if s.gone == nil && (s.c.hold || !l.pastDeadline(s.c.ctx, arrived.Add(bs[j].Wait))) {
-			take[i] = j
-			g.taken++
+			take[i], g.taken[k], floor = j, true, j
 			continue
 		}
 		left = append(left, i)
 	}
 	for _, i := range left {
 		g := group(out[i].c.n)
-		take[i] = g.slots[g.taken]
-		g.taken++
+		k := 0
+		for g.taken[k] {
+			k++
+		}
+		take[i], g.taken[k] = g.slots[k], true
 	}
 	return take
 }
@@ -716,8 +740,13 @@ type sent struct {
 // then calls then (if not nil). With after (see lateAfter) it runs on a
 // goroutine of its own, so that the batch's other calls have their answers
 // first, and closes after once done; without, before it returns. Either
-// way the give-backs are bounded by a one-second timeout.
+// way the give-backs are bounded by a one-second timeout, and the
+// Limiter's bookings of key wait for them (awaitGiven) from the start.
 func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.Booking, after chan struct{}, then func()) {
+	var done chan struct{}
+	if len(late) > 0 {
+		done = l.startGiving(key)
+	}
 	run := func() {
 		if then != nil {
 			defer then()
@@ -725,6 +754,7 @@ func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.
 		if len(late) == 0 {
 			return
 		}
+		defer l.endGiving(key, done) // before then: the next batch is let go
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 		defer cancel()
 		for _, b := range late {
@@ -741,6 +771,52 @@ func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.
 		defer close(after)
 		run()
 	}()
+}
+
+// startGiving registers a give-back of key's late bookings under way and
+// returns the channel endGiving closes.
+func (l *Limiter) startGiving(key string) chan struct{} {
+	done := make(chan struct{})
+	l.mu.Lock()
+	if l.giving == nil {
+		l.giving = make(map[string][]chan struct{})
+	}
+	l.giving[key] = append(l.giving[key], done)
+	l.mu.Unlock()
+	l.givingN.Add(1)
+	return done
+}
+
+// endGiving ends the give-back of key's late bookings that startGiving
+// registered as done.
+func (l *Limiter) endGiving(key string, done chan struct{}) {
+	l.mu.Lock()
+	if gs := slices.DeleteFunc(l.giving[key], func(c chan struct{}) bool { return c == done }); len(gs) > 0 {
+		l.giving[key] = gs
+	} else {
+		delete(l.giving, key)
+	}
+	l.mu.Unlock()
+	l.givingN.Add(-1)
+	close(done)
+}
+
+// awaitGiven waits, until ctx ends, for the give-backs of key's late
+// bookings under way (see giving). Nothing is sent meanwhile.
+func (l *Limiter) awaitGiven(ctx context.Context, key string) {
+	if l.givingN.Load() == 0 {
+		return // the common case: none, and no lock taken
+	}
+	l.mu.Lock()
+	gs := slices.Clone(l.giving[key])
+	l.mu.Unlock()
+	for _, done := range gs {
+		select {
+		case <-done:
+		case <-ctx.Done():
+			return
+		}
+	}
 }
 
 // giveBackEnded gives back everything calls booked for a caller whose
