@@ -743,16 +743,16 @@ type sent struct {
 // way the give-backs are bounded by a one-second timeout, and the
 // Limiter's bookings of key wait for them (awaitGiven) from the start.
 func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.Booking, after chan struct{}, then func()) {
-	var done chan struct{}
-	if len(late) > 0 {
-		done = l.startGiving(key)
+	if len(late) == 0 {
+		if then != nil {
+			then()
+		}
+		return // the common case: no closure made
 	}
+	done := l.startGiving(key)
 	run := func() {
 		if then != nil {
 			defer then()
-		}
-		if len(late) == 0 {
-			return
 		}
 		defer l.endGiving(key, done) // before then: the next batch is let go
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
