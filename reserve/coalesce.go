@@ -271,9 +271,12 @@ func (l *Limiter) send(ctx context.Context, key string, ks *keyState, batch []*c
 	// sent: sent first, its bookings would stand on them, and they could
 	// give nothing back. The batch's callers have their answers first, and
 	// the key is handed on once the give-backs are done, however they end.
+	// Registered before the answers are out: a caller of the batch that
+	// books again at once waits for the give-backs too (awaitGiven).
+	done := l.startGiving(k)
 	after := lateAfter(late, batch)
 	l.answer(batch)
-	l.giveBackLate(ctx, k, late, after, func() { l.handOn(ks, nil) })
+	l.giveBackGiving(ctx, k, late, done, after, func() { l.handOn(ks, nil) })
 }
 
 // answer wakes batch's queued callers: their answers are in.

@@ -52,17 +52,23 @@ type Limiter struct {
 	coalesce  bool
 	maxQueue  int
 	soloBelow int
-	mu        sync.Mutex           // guards keys, spare, the keyStates and giving
+	mu        sync.Mutex           // guards keys and spare, and the keyStates
 	keys      map[string]*keyState // per subject key with callers in coalesced
 	spare     []*keyState          // keyStates of keys gone idle, for reuse
 
-	// giving holds, per subject key, the give-backs of late bookings under
-	// way (giveBackLate), each closed once done: a booking of the key waits
-	// for them (awaitGiven), since, booked first, it would stand on them
-	// and they would give nothing back. givingN counts them, so that a
-	// booking finds none without taking mu.
-	giving  map[string][]chan struct{}
-	givingN atomic.Int64
+	giving *giving // shared with the Limiter's views (With)
+}
+
+// giving holds, per subject key, the give-backs of late bookings under way
+// (giveBackLate), each closed once done: a booking or check (AllowN) of
+// the key waits for them (awaitGiven), since, made first, it would stand
+// on them and they would give nothing back. n counts them, so that a
+// booking finds none without taking mu. A Limiter and its views share it,
+// as they share the quota.
+type giving struct {
+	mu   sync.Mutex
+	keys map[string][]chan struct{}
+	n    atomic.Int64
 }
 
 // An Option configures a Limiter in New.
@@ -163,7 +169,7 @@ func New(eng *throttle.Engine, name string, limit throttle.Limit, opts ...Option
 	l := &Limiter{
 		eng: eng, name: name, limit: limit, limits: []throttle.Limit{limit}, maxWait: deadline.NoCap, clock: realClock{},
 		coalesce: true, maxQueue: defaultMaxQueue, soloBelow: soloBelow,
-		keys: make(map[string]*keyState),
+		keys: make(map[string]*keyState), giving: &giving{keys: make(map[string][]chan struct{})},
 	}
 	for _, opt := range opts {
 		if err := opt(l); err != nil {
@@ -179,13 +185,15 @@ func New(eng *throttle.Engine, name string, limit throttle.Limit, opts ...Option
 // (LocalShare's local limiters and heartbeat), so that all views of one
 // quota together admit one local share while Redis is unavailable; a
 // WithFallback or WithLimit among opts gives the view state of its own.
+// A view and l wait for each other's give-backs of late bookings of a key
+// before they book it (see ReserveBatch); each coalesces its own callers.
 func (l *Limiter) With(opts ...Option) (*Limiter, error) {
 	base := []Option{WithMaxWait(l.maxWait), WithWorkEstimate(l.work), WithCoalescing(l.coalesce), WithLimit(l.limits[1:]...)}
 	nl, err := New(l.eng, l.name, l.limit, append(base, opts...)...)
 	if err != nil {
 		return nil, err
 	}
-	nl.clock = l.clock
+	nl.clock, nl.giving = l.clock, l.giving
 	if nl.fallback == nil && l.fallback != nil {
 		if slices.Equal(nl.limits, l.limits) {
 			nl.fallback = l.fallback
@@ -291,6 +299,7 @@ func (l *Limiter) AllowN(ctx context.Context, key string, n int) (throttle.Resul
 	if err != nil {
 		return throttle.Result{}, err
 	}
+	l.awaitGiven(ctx, k)
 	res, err := l.eng.AllowAll(ctx, l.keysOf(k), l.limits, n)
 	switch {
 	case err == nil:
@@ -736,12 +745,12 @@ type sent struct {
 }
 
 // giveBackLate gives back late, the bookings book refused once the reply
-// was in and that nothing booked stands on, in order (the latest first),
-// then calls then (if not nil). With after (see lateAfter) it runs on a
-// goroutine of its own, so that the batch's other calls have their answers
-// first, and closes after once done; without, before it returns. Either
-// way the give-backs are bounded by a one-second timeout, and the
-// Limiter's bookings of key wait for them (awaitGiven) from the start.
+// was in and that nothing booked stands on (refundLate), then calls then
+// (if not nil). With after (see lateAfter) it runs on a goroutine of its
+// own, so that the batch's other calls have their answers first, and
+// closes after once done; without, before it returns. Either way the
+// give-back is bounded by a one-second timeout, and the Limiter's bookings
+// of key wait for it (awaitGiven) from the start.
 func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.Booking, after chan struct{}, then func()) {
 	if len(late) == 0 {
 		if then != nil {
@@ -749,7 +758,12 @@ func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.
 		}
 		return // the common case: no closure made
 	}
-	done := l.startGiving(key)
+	l.giveBackGiving(ctx, key, late, l.startGiving(key), after, then)
+}
+
+// giveBackGiving is giveBackLate for a give-back that startGiving has
+// registered already (done).
+func (l *Limiter) giveBackGiving(ctx context.Context, key string, late []throttle.Booking, done, after chan struct{}, then func()) {
 	run := func() {
 		if then != nil {
 			defer then()
@@ -757,11 +771,7 @@ func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.
 		defer l.endGiving(key, done) // before then: the next batch is let go
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 		defer cancel()
-		for _, b := range late {
-			// Refused, never anyone's: its room comes back even if its
-			// slot has come by now.
-			_, _ = l.eng.RefundUnused(cctx, l.keysOf(key), l.limits, b)
-		}
+		_ = l.refundLate(cctx, key, late)
 	}
 	if after == nil {
 		run()
@@ -773,43 +783,62 @@ func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.
 	}()
 }
 
+// refundLate gives back late, bookings refused once the reply was in,
+// never anyone's (so their room comes back even if their slot has come),
+// that lie end to end above every booking of their batch that stands, the
+// latest first: in one refund (throttle.Span), one round trip for all of
+// them, or, should they not lie end to end, one by one, latest first.
+func (l *Limiter) refundLate(ctx context.Context, key string, late []throttle.Booking) error {
+	run := slices.Clone(late)
+	slices.Reverse(run) // the earliest first
+	if b, err := throttle.Span(run); err == nil {
+		_, err = l.eng.RefundUnused(ctx, l.keysOf(key), l.limits, b)
+		return err
+	}
+	for _, b := range late {
+		if _, err := l.eng.RefundUnused(ctx, l.keysOf(key), l.limits, b); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // startGiving registers a give-back of key's late bookings under way and
 // returns the channel endGiving closes.
 func (l *Limiter) startGiving(key string) chan struct{} {
-	done := make(chan struct{})
-	l.mu.Lock()
-	if l.giving == nil {
-		l.giving = make(map[string][]chan struct{})
-	}
-	l.giving[key] = append(l.giving[key], done)
-	l.mu.Unlock()
-	l.givingN.Add(1)
+	g, done := l.giving, make(chan struct{})
+	g.mu.Lock()
+	g.keys[key] = append(g.keys[key], done)
+	g.mu.Unlock()
+	g.n.Add(1)
 	return done
 }
 
 // endGiving ends the give-back of key's late bookings that startGiving
 // registered as done.
 func (l *Limiter) endGiving(key string, done chan struct{}) {
-	l.mu.Lock()
-	if gs := slices.DeleteFunc(l.giving[key], func(c chan struct{}) bool { return c == done }); len(gs) > 0 {
-		l.giving[key] = gs
+	g := l.giving
+	g.mu.Lock()
+	if gs := slices.DeleteFunc(g.keys[key], func(c chan struct{}) bool { return c == done }); len(gs) > 0 {
+		g.keys[key] = gs
 	} else {
-		delete(l.giving, key)
+		delete(g.keys, key)
 	}
-	l.mu.Unlock()
-	l.givingN.Add(-1)
+	g.mu.Unlock()
+	g.n.Add(-1)
 	close(done)
 }
 
 // awaitGiven waits, until ctx ends, for the give-backs of key's late
 // bookings under way (see giving). Nothing is sent meanwhile.
 func (l *Limiter) awaitGiven(ctx context.Context, key string) {
-	if l.givingN.Load() == 0 {
+	g := l.giving
+	if g.n.Load() == 0 {
 		return // the common case: none, and no lock taken
 	}
-	l.mu.Lock()
-	gs := slices.Clone(l.giving[key])
-	l.mu.Unlock()
+	g.mu.Lock()
+	gs := slices.Clone(g.keys[key])
+	g.mu.Unlock()
 	for _, done := range gs {
 		select {
 		case <-done:
@@ -821,15 +850,16 @@ func (l *Limiter) awaitGiven(ctx context.Context, key string) {
 
 // giveBackEnded gives back everything calls booked for a caller whose
 // context ended while they were out, where the engine has not (the
-// context ended just after it looked): the late bookings book returned, then
-// every booking that stands (held ones too), the latest first, so that
-// each gives its room back as far as nothing booked since stands on it;
-// a round trip each, each bounded by a second. It stops at the first that
-// fails: the bookings under it could give nothing back while it stands.
+// context ended just after it looked): the late bookings book returned
+// (refundLate), then every booking that stands (held ones too), the
+// latest first, so that each gives its room back as far as nothing booked
+// since stands on it; a round trip each, each bounded by a second. It
+// stops at the first that fails: the bookings under it could give nothing
+// back while it stands.
 func (l *Limiter) giveBackEnded(ctx context.Context, key string, late []throttle.Booking, calls []*call) {
-	for _, b := range late {
+	if len(late) > 0 {
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
-		_, err := l.eng.RefundUnused(cctx, l.keysOf(key), l.limits, b)
+		err := l.refundLate(cctx, key, late)
 		cancel()
 		if err != nil {
 			return

@@ -440,17 +440,16 @@ func (s *raScene) expect(batches [][]*raCase, order []*raCase) int64 {
 
 // refunds checks the refund calls made for the scenario, given the
 // holders whose Cancel ran (in any order): one per holder cancelled, and
-// one per booking its batch gives back itself (late, or its caller ended
-// in flight); none twice (each booking's tombstone once).
+// one per batch that gives bookings back itself (late, or its caller
+// ended in flight: they lie end to end, and go back as one, see
+// throttle.Span); none twice (each tombstone once).
 func (s *raScene) refunds(batches [][]*raCase, cancelled []*raCase) {
 	t := s.t
 	t.Helper()
 	want := len(cancelled)
 	for _, b := range batches {
-		for _, c := range b {
-			if c.given() {
-				want++
-			}
+		if slices.ContainsFunc(b, (*raCase).given) {
+			want++
 		}
 	}
 	count := func() (calls, twice int) {

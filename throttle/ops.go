@@ -208,23 +208,10 @@ func (e *Engine) BookAll(ctx context.Context, keys []string, limits []Limit, req
 // one, latest first, in as many round trips (or give nothing, as each of
 // them would, if something does).
 func (e *Engine) giveBackEnded(ctx context.Context, keys []string, limits []Limit, bs []Booking) {
-	var first, last *Booking
-	for i := range bs {
-		if bs[i].OK {
-			if first == nil {
-				first = &bs[i]
-			}
-			last = &bs[i]
-		}
-	}
-	if first == nil {
-		return
-	}
-	b := *last
-	if first != last {
-		// A booking of its own (refund reads its starts, ends and slot,
-		// not its N): its tombstone is not the last one's.
-		b.starts, b.id, b.way = first.starts, rand.Uint64(), new(atomic.Uint32)
+	// What Redis booked, back to back (a refusal books nothing).
+	b, err := Span(slices.DeleteFunc(slices.Clone(bs), func(b Booking) bool { return !b.OK }))
+	if err != nil {
+		return // nothing booked
 	}
 	gctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
@@ -369,6 +356,36 @@ func (e *Engine) RefundAll(ctx context.Context, keys []string, limits []Limit, b
 // ErrInvalidRequest, making no Redis call. Retrying the same one is safe.
 func (e *Engine) RefundUnused(ctx context.Context, keys []string, limits []Limit, b Booking) ([]time.Duration, error) {
 	return e.refund(ctx, keys, limits, b, true)
+}
+
+// Span returns one booking that stands for run, bookings of the same keys
+// made back to back (each OK, and starting in every key where the one
+// before it ended: the bookings of one BookAll call that Redis booked,
+// say), the earliest first. Given back (RefundAll or RefundUnused), it
+// gives them all back in one call, as far as the last of them still
+// stands; its slot is the last one's. The bookings of run must not then be
+// given back on their own as well. Span makes no Redis call; a run that is
+// empty, or not back to back, is an error matching ErrInvalidRequest.
+func Span(run []Booking) (Booking, error) {
+	if len(run) == 0 {
+		return Booking{}, fmt.Errorf("%w: an empty run of bookings", ErrInvalidRequest)
+	}
+	for i, b := range run {
+		if !b.OK || len(b.starts) != len(run[0].starts) || len(b.ends) != len(b.starts) {
+			return Booking{}, fmt.Errorf("%w: booking %d of the run is not a booking of its keys", ErrInvalidRequest, i)
+		}
+		if i > 0 && !slices.Equal(b.starts, run[i-1].ends) {
+			return Booking{}, fmt.Errorf("%w: booking %d of the run does not start where the one before ended", ErrInvalidRequest, i)
+		}
+	}
+	if len(run) == 1 {
+		return run[0], nil
+	}
+	b := run[len(run)-1]
+	// A booking of its own (refund reads its starts, ends and slot, not
+	// its N): its tombstone is not the last one's.
+	b.starts, b.id, b.way = run[0].starts, rand.Uint64(), new(atomic.Uint32)
+	return b, nil
 }
 
 // refund is RefundAll, and RefundUnused if unused.
