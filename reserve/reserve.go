@@ -786,21 +786,13 @@ func (l *Limiter) giveBackGiving(ctx context.Context, key string, late []throttl
 // refundLate gives back late, bookings refused once the reply was in,
 // never anyone's (so their room comes back even if their slot has come),
 // that lie end to end above every booking of their batch that stands, the
-// latest first: in one refund (throttle.Span), one round trip for all of
-// them, or, should they not lie end to end, one by one, latest first.
+// latest first: in one refund (throttle.Engine.RefundUnusedRun), one
+// round trip for all of them.
 func (l *Limiter) refundLate(ctx context.Context, key string, late []throttle.Booking) error {
 	run := slices.Clone(late)
 	slices.Reverse(run) // the earliest first
-	if b, err := throttle.Span(run); err == nil {
-		_, err = l.eng.RefundUnused(ctx, l.keysOf(key), l.limits, b)
-		return err
-	}
-	for _, b := range late {
-		if _, err := l.eng.RefundUnused(ctx, l.keysOf(key), l.limits, b); err != nil {
-			return err
-		}
-	}
-	return nil
+	_, err := l.eng.RefundUnusedRun(ctx, l.keysOf(key), l.limits, run)
+	return err
 }
 
 // startGiving registers a give-back of key's late bookings under way and

@@ -442,7 +442,7 @@ func (s *raScene) expect(batches [][]*raCase, order []*raCase) int64 {
 // holders whose Cancel ran (in any order): one per holder cancelled, and
 // one per batch that gives bookings back itself (late, or its caller
 // ended in flight: they lie end to end, and go back as one, see
-// throttle.Span); none twice (each tombstone once).
+// throttle.Engine.RefundUnusedRun); none twice (each tombstone once).
 func (s *raScene) refunds(batches [][]*raCase, cancelled []*raCase) {
 	t := s.t
 	t.Helper()

@@ -135,6 +135,9 @@ type Booking struct {
 const (
 	wayUsed uint32 = 1 + iota
 	wayUnused
+	// waySpan, with the low bits of the run's own id: given back as part of
+	// that run (RefundUnusedRun), never on its own nor in another run.
+	waySpan uint32 = 1 << 31
 )
 
 // Book is shorthand for BookBatch with one request.
@@ -209,13 +212,13 @@ func (e *Engine) BookAll(ctx context.Context, keys []string, limits []Limit, req
 // them would, if something does).
 func (e *Engine) giveBackEnded(ctx context.Context, keys []string, limits []Limit, bs []Booking) {
 	// What Redis booked, back to back (a refusal books nothing).
-	b, err := Span(slices.DeleteFunc(slices.Clone(bs), func(b Booking) bool { return !b.OK }))
-	if err != nil {
-		return // nothing booked
+	run := slices.DeleteFunc(slices.Clone(bs), func(b Booking) bool { return !b.OK })
+	if len(run) == 0 {
+		return
 	}
 	gctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
-	_, _ = e.RefundUnused(gctx, keys, limits, b)
+	_, _ = e.RefundUnusedRun(gctx, keys, limits, run)
 }
 
 // book books reqs for keys under limits; merge lets a single request
@@ -358,33 +361,57 @@ func (e *Engine) RefundUnused(ctx context.Context, keys []string, limits []Limit
 	return e.refund(ctx, keys, limits, b, true)
 }
 
-// Span returns one booking that stands for run, bookings of the same keys
-// made back to back (each OK, and starting in every key where the one
-// before it ended: the bookings of one BookAll call that Redis booked,
-// say), the earliest first. Given back (RefundAll or RefundUnused), it
-// gives them all back in one call, as far as the last of them still
-// stands; its slot is the last one's. The bookings of run must not then be
-// given back on their own as well. Span makes no Redis call; a run that is
-// empty, or not back to back, is an error matching ErrInvalidRequest.
-func Span(run []Booking) (Booking, error) {
+// RefundUnusedRun is RefundUnused for run, bookings of the same keys that
+// no one can use, made back to back (each starting, in every key, where
+// the one before it ended: the bookings of one BookAll call that Redis
+// booked, say), the earliest first. It gives them all back in one call,
+// as giving them back one by one, latest first, would: as far as their
+// units still stand in front of the keys and nothing booked after the
+// last stands on them. Retrying it with the same run is safe. Each booking
+// of run is then given back as part of it: given back on its own, before
+// or after, by any way, or in another run, it fails with
+// ErrInvalidRequest, making no Redis call, as does a run that is empty or
+// not back to back.
+func (e *Engine) RefundUnusedRun(ctx context.Context, keys []string, limits []Limit, run []Booking) ([]time.Duration, error) {
+	if len(run) == 1 {
+		return e.RefundUnused(ctx, keys, limits, run[0])
+	}
+	b, err := span(run)
+	if err != nil {
+		return nil, err
+	}
+	return e.refund(ctx, keys, limits, b, true)
+}
+
+// span returns the booking that stands for run (see RefundUnusedRun), of
+// two bookings or more: the first's TATs before, the last's after and its
+// slot, and a tombstone of its own, the same for every span of the same
+// run, so that a retry gives nothing more. It marks each booking of run
+// as given back as part of this run (waySpan), and fails for one given
+// back, or marked, otherwise.
+func span(run []Booking) (Booking, error) {
 	if len(run) == 0 {
 		return Booking{}, fmt.Errorf("%w: an empty run of bookings", ErrInvalidRequest)
 	}
+	first, last := run[0], run[len(run)-1]
 	for i, b := range run {
-		if !b.OK || len(b.starts) != len(run[0].starts) || len(b.ends) != len(b.starts) {
+		if !b.OK || b.way == nil || len(b.starts) != len(first.starts) || len(b.ends) != len(b.starts) {
 			return Booking{}, fmt.Errorf("%w: booking %d of the run is not a booking of its keys", ErrInvalidRequest, i)
 		}
 		if i > 0 && !slices.Equal(b.starts, run[i-1].ends) {
 			return Booking{}, fmt.Errorf("%w: booking %d of the run does not start where the one before ended", ErrInvalidRequest, i)
 		}
 	}
-	if len(run) == 1 {
-		return run[0], nil
-	}
-	b := run[len(run)-1]
 	// A booking of its own (refund reads its starts, ends and slot, not
-	// its N): its tombstone is not the last one's.
-	b.starts, b.id, b.way = run[0].starts, rand.Uint64(), new(atomic.Uint32)
+	// its N), named after its run's first and last bookings.
+	b := last
+	b.starts, b.id, b.way = first.starts, first.id*0x9e3779b97f4a7c15^last.id, nil
+	mark := waySpan | uint32(b.id)
+	for i, r := range run {
+		if !r.way.CompareAndSwap(0, mark) && r.way.Load() != mark {
+			return Booking{}, fmt.Errorf("%w: booking %d of the run was given back on its own or in another run (a booking is given back one way only)", ErrInvalidRequest, i)
+		}
+	}
 	return b, nil
 }
 
@@ -404,7 +431,7 @@ func (e *Engine) refund(ctx context.Context, keys []string, limits []Limit, b Bo
 		way = wayUnused
 	}
 	if b.way != nil && !b.way.CompareAndSwap(0, way) && b.way.Load() != way {
-		return nil, fmt.Errorf("%w: a booking given back by RefundAll and by RefundUnused (one way only)", ErrInvalidRequest)
+		return nil, fmt.Errorf("%w: a booking given back by more than one of RefundAll, RefundUnused and RefundUnusedRun (one way only)", ErrInvalidRequest)
 	}
 	// refund.lua gives back until the instant it is given, and its
 	// tombstone lives until then: the slot, or for an unused booking the
