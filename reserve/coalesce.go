@@ -18,9 +18,9 @@ import (
 // calls saved are worth. Callers that arrive while more are about queue
 // (up to maxQueue of them); when the call returns,
 // its sender names the first of them the next leader and wakes it, after
-// the batch's own callers, and after the batch's late bookings (see book)
-// are given back, if it has any: booked first, the next batch would stand
-// on them. The leader takes whatever has queued by the
+// the batch's own callers; the next batch waits for the batch's late
+// bookings (see book), if it has any, to be given back: booked first, it
+// would stand on them (awaitGiven). The leader takes whatever has queued by the
 // time it runs, itself first (up to throttle.MaxBatch), sends it as one
 // batch call, and in turn hands on to whoever queued meanwhile. No
 // goroutine is started: each batch is sent by one of its own callers.
@@ -155,7 +155,7 @@ func (l *Limiter) coalesced(key string, c *call) (*Reservation, error) {
 // ends the wait (waitbound).
 func (l *Limiter) sendAlone(key string, c *call) (*Reservation, error) {
 	k := l.subjectKey(key)
-	l.giveBackLate(c.ctx, k, l.book(waitbound.WithoutDeadline(c.ctx), k, c.alone()), nil, nil)
+	l.giveBackLate(c.ctx, k, l.book(waitbound.WithoutDeadline(c.ctx), k, c.alone()), nil)
 	return c.finish()
 }
 
@@ -262,35 +262,17 @@ func (l *Limiter) send(ctx context.Context, key string, ks *keyState, batch []*c
 	}
 	k := l.subjectKey(key)
 	late := l.book(bctx, k, batch)
+	// Registered before the answers go out and the next leader is named:
+	// the key's next batch, and a caller of this one that books again at
+	// once, wait for the late bookings to be given back (awaitGiven), on
+	// which, sent first, they would stand.
+	l.giveBackLate(ctx, k, late, lateAfter(late, batch))
 	handed = true
-	if len(late) == 0 {
-		l.handOn(ks, batch)
-		return
-	}
-	// The batch's late bookings go back before the key's next batch is
-	// sent: sent first, its bookings would stand on them, and they could
-	// give nothing back. The batch's callers have their answers first, and
-	// the key is handed on once the give-backs are done, however they end.
-	// Registered before the answers are out: a caller of the batch that
-	// books again at once waits for the give-backs too (awaitGiven).
-	done := l.startGiving(k)
-	after := lateAfter(late, batch)
-	l.answer(batch)
-	l.giveBackGiving(ctx, k, late, done, after, func() { l.handOn(ks, nil) })
-}
-
-// answer wakes batch's queued callers: their answers are in.
-func (l *Limiter) answer(batch []*call) {
-	for _, c := range batch {
-		if c.wake != nil {
-			c.wake <- false // never blocks: room for one, and a leader has read its true
-		}
-	}
+	l.handOn(ks, batch)
 }
 
 // handOn names the first caller queued meanwhile the key's next leader,
-// or marks the key idle, and wakes batch's callers (none if batch is nil:
-// answered already) and then the leader.
+// or marks the key idle, and wakes batch's callers and then the leader.
 // Go's scheduler tends to run the goroutine woken last first where the
 // sender yields, but the leader takes its batch only when it runs, so the
 // callers just woken that queue again before then go in it too. The key
@@ -309,7 +291,11 @@ func (l *Limiter) handOn(ks *keyState, batch []*call) {
 		ks.pending = ks.pending[:rest]
 	}
 	l.mu.Unlock()
-	l.answer(batch)
+	for _, c := range batch {
+		if c.wake != nil {
+			c.wake <- false // never blocks: room for one, and a leader has read its true
+		}
+	}
 	if next != nil {
 		next.wake <- true
 	}

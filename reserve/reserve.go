@@ -480,7 +480,7 @@ func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequ
 		}
 		return nil, err
 	}
-	l.giveBackLate(ctx, k, late, lateAfter(late, calls), nil)
+	l.giveBackLate(ctx, k, late, lateAfter(late, calls))
 	out := make([]*Reservation, len(calls))
 	for i, c := range calls {
 		if c.err != nil {
@@ -495,9 +495,10 @@ func (l *Limiter) ReserveBatch(ctx context.Context, key string, reqs []BatchRequ
 // sets each call's res or err. A call whose budget is already spent is
 // refused without being sent, and one whose context has ended is answered
 // with its error, nothing booked; if none is left, no call is made. It returns
-// the bookings refused once the reply was in, for the caller to give back
-// with giveBackLate once every call has its answer (so that the refunds'
-// round trip does not hold back the calls that were booked).
+// the bookings refused once the reply was in that lie above every booking
+// that stands, the earliest first, for the caller to give back with
+// giveBackLate once every call has its answer (so that the refunds' round
+// trip does not hold back the calls that were booked).
 func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []throttle.Booking) {
 	// The local time is read only for a caller with a deadline, whose
 	// budget counts from it (a clock read costs on the hot path).
@@ -634,7 +635,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 	}
 	// A late booking gives its room back only while nothing booked after
 	// it stands. Those above every booking that stands (booked, or held
-	// for its caller) go back at once, the latest first (late, for
+	// for its caller) go back at once, in one refund (late, for
 	// giveBackLate); one under a booking that stands (of another number of
 	// units, which the hand-down does not reach) goes back with the
 	// nearest such booking above it, once that one's Cancel has given it
@@ -659,6 +660,7 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 			late = append(late, bs[i])
 		}
 	}
+	slices.Reverse(late) // the earliest first, as a run (refundLate)
 	return late
 }
 
@@ -745,30 +747,19 @@ type sent struct {
 }
 
 // giveBackLate gives back late, the bookings book refused once the reply
-// was in and that nothing booked stands on (refundLate), then calls then
-// (if not nil). With after (see lateAfter) it runs on a goroutine of its
-// own, so that the batch's other calls have their answers first, and
-// closes after once done; without, before it returns. Either way the
-// give-back is bounded by a one-second timeout, and the Limiter's bookings
-// of key wait for it (awaitGiven) from the start.
-func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.Booking, after chan struct{}, then func()) {
+// was in and that nothing booked stands on (refundLate). With after (see
+// lateAfter) it runs on a goroutine of its own, so that the batch's other
+// calls have their answers first, and closes after once done; without,
+// before it returns. Either way the give-back is bounded by a one-second
+// timeout, and the Limiter's bookings of key wait for it (awaitGiven) from
+// the moment giveBackLate is called.
+func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.Booking, after chan struct{}) {
 	if len(late) == 0 {
-		if then != nil {
-			then()
-		}
 		return // the common case: no closure made
 	}
-	l.giveBackGiving(ctx, key, late, l.startGiving(key), after, then)
-}
-
-// giveBackGiving is giveBackLate for a give-back that startGiving has
-// registered already (done).
-func (l *Limiter) giveBackGiving(ctx context.Context, key string, late []throttle.Booking, done, after chan struct{}, then func()) {
+	done := l.startGiving(key)
 	run := func() {
-		if then != nil {
-			defer then()
-		}
-		defer l.endGiving(key, done) // before then: the next batch is let go
+		defer l.endGiving(key, done)
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 		defer cancel()
 		_ = l.refundLate(cctx, key, late)
@@ -786,12 +777,10 @@ func (l *Limiter) giveBackGiving(ctx context.Context, key string, late []throttl
 // refundLate gives back late, bookings refused once the reply was in,
 // never anyone's (so their room comes back even if their slot has come),
 // that lie end to end above every booking of their batch that stands, the
-// latest first: in one refund (throttle.Engine.RefundUnusedRun), one
+// earliest first: in one refund (throttle.Engine.RefundUnusedRun), one
 // round trip for all of them.
 func (l *Limiter) refundLate(ctx context.Context, key string, late []throttle.Booking) error {
-	run := slices.Clone(late)
-	slices.Reverse(run) // the earliest first
-	_, err := l.eng.RefundUnusedRun(ctx, l.keysOf(key), l.limits, run)
+	_, err := l.eng.RefundUnusedRun(ctx, l.keysOf(key), l.limits, late)
 	return err
 }
 
