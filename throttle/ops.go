@@ -376,6 +376,12 @@ func (e *Engine) RefundUnusedRun(ctx context.Context, keys []string, limits []Li
 	if len(run) == 1 {
 		return e.RefundUnused(ctx, keys, limits, run[0])
 	}
+	if err := checkKeysLimits(keys, limits); err != nil {
+		return nil, err // before span marks the run's bookings
+	}
+	if len(run) > 0 && len(run[0].ends) != len(keys) {
+		return nil, fmt.Errorf("%w: bookings of %d limits refunded to %d", ErrInvalidRequest, len(run[0].ends), len(keys))
+	}
 	b, err := span(run)
 	if err != nil {
 		return nil, err
@@ -388,7 +394,7 @@ func (e *Engine) RefundUnusedRun(ctx context.Context, keys []string, limits []Li
 // slot, and a tombstone of its own, the same for every span of the same
 // run, so that a retry gives nothing more. It marks each booking of run
 // as given back as part of this run (waySpan), and fails for one given
-// back, or marked, otherwise.
+// back, or marked, otherwise, leaving the others as they were.
 func span(run []Booking) (Booking, error) {
 	if len(run) == 0 {
 		return Booking{}, fmt.Errorf("%w: an empty run of bookings", ErrInvalidRequest)
@@ -407,8 +413,14 @@ func span(run []Booking) (Booking, error) {
 	b := last
 	b.starts, b.id, b.way = first.starts, first.id*0x9e3779b97f4a7c15^last.id, nil
 	mark := waySpan | uint32(b.id)
+	var marked []*atomic.Uint32 // by this call: unmarked again if it fails, so no room is stuck
 	for i, r := range run {
-		if !r.way.CompareAndSwap(0, mark) && r.way.Load() != mark {
+		if r.way.CompareAndSwap(0, mark) {
+			marked = append(marked, r.way)
+		} else if r.way.Load() != mark {
+			for _, w := range marked {
+				w.Store(0)
+			}
 			return Booking{}, fmt.Errorf("%w: booking %d of the run was given back on its own or in another run (a booking is given back one way only)", ErrInvalidRequest, i)
 		}
 	}
