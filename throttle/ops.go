@@ -131,6 +131,19 @@ type Booking struct {
 	way *atomic.Uint32
 }
 
+// Before reports whether b was booked before o on their keys: both booked
+// by Redis (OK) for the same keys, with b's units ending, in the first
+// key, before o's. The bookings of a key stand in the order they were
+// made, each ending no earlier than the one before it, so for two that
+// stand Before tells that order even where their slots (At) are the same,
+// as those of one call within a burst are, and At cannot. It is false if
+// either is a refusal. For bookings of different keys, or made apart by
+// a Reset of the key, or with a booking given back between them (the
+// later may then end where the given-back one did), it tells nothing.
+func (b Booking) Before(o Booking) bool {
+	return b.OK && o.OK && len(b.ends) > 0 && len(b.ends) == len(o.ends) && b.ends[0] < o.ends[0]
+}
+
 // How a booking was given back: RefundAll's way or RefundUnused's.
 const (
 	wayUsed uint32 = 1 + iota
