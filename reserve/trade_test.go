@@ -1,0 +1,109 @@
+package reserve_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/slotbook/slotbook/deadline"
+	"github.com/slotbook/slotbook/reserve"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+// TestBatchHoldLateTrade: with every reply held back 40 ms, a batch of
+// two on a fresh key with a burst: both land at once, the same slot (At),
+// and the first is refused late (its deadline 20 ms away), held. The
+// second's holder has acted in its slot, which stands on the held one, so
+// the held room could never come back; Trade gives the holder the held
+// booking (the same slot) and hands its own back as spare, which no one
+// acts on: its Cancel gives the room back though its slot has come, and
+// the next booking finds room at once on the Redis clock (Wait 0), as if
+// only one request had been booked. Trade of anything else is nil and
+// changes nothing; after it, the two traded hold nothing.
+func TestBatchHoldLateTrade(t *testing.T) {
+	t.Parallel()
+	eng, p, calls := latencyEngine(t)
+	p.SetReplyDelay(40 * time.Millisecond)
+	l, err := reserve.New(eng, "api", throttle.PerSecond(2, 1)) // 500 ms apart, room for two at once
+	require.NoError(t, err)
+	ctx := context.Background()
+
+	batch := func(key string, lateFirst bool) (late, own *reserve.Reservation) {
+		dl, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+		t.Cleanup(cancel)
+		reqs := []reserve.BatchRequest{{Context: dl, N: 1, HoldLate: true}, {N: 1, HoldLate: true}}
+		if !lateFirst {
+			reqs[0], reqs[1] = reqs[1], reqs[0]
+		}
+		rs, err := l.ReserveBatch(ctx, key, reqs)
+		require.NoError(t, err)
+		if !lateFirst {
+			rs[0], rs[1] = rs[1], rs[0]
+		}
+		late, own = rs[0], rs[1]
+		require.ErrorIs(t, late.Err(), deadline.ErrWouldExceedDeadline, "the test's premise: refused late")
+		require.True(t, late.Booking().OK, "the test's premise: held")
+		require.True(t, own.OK(), "%v", own.Err())
+		require.Equal(t, late.Booking().At, own.Booking().At, "the test's premise: one slot")
+		return late, own
+	}
+
+	late, own := batch("trade", true)
+	require.True(t, late.Booking().Before(own.Booking()), "booked in request order")
+	other, err := l.Reserve(ctx, "other")
+	require.NoError(t, err)
+	for what, pair := range map[string][2]*reserve.Reservation{
+		"own not OK":            {late, late},
+		"the late one not held": {own, late},
+		"a view of the late":    {late.View(), own},
+		"a view of own":         {late, own.View()},
+		"another key":           {late, other},
+		"nil":                   {late, nil},
+	} {
+		c, s := pair[0].Trade(pair[1])
+		require.Nil(t, c, what)
+		require.Nil(t, s, what)
+	}
+
+	claimed, spare := late.Trade(own)
+	require.NotNil(t, claimed)
+	require.NotNil(t, spare)
+	require.True(t, claimed.OK(), "%v", claimed.Err())
+	require.Equal(t, late.Booking(), claimed.Booking(), "the holder holds the late one's booking")
+	require.False(t, spare.OK())
+	require.Equal(t, late.Err(), spare.Err(), "the spare stands for the refusal")
+	require.Equal(t, own.Booking(), spare.Booking(), "the spare holds own's booking")
+	require.True(t, spare.Booking().OK, "held")
+	c, s := late.Trade(own)
+	require.Nil(t, c, "traded twice")
+	require.Nil(t, s)
+	require.Nil(t, late.Claim(), "a traded refusal holds nothing to claim")
+	before := calls.Load()
+	require.NoError(t, late.Cancel(ctx))
+	require.NoError(t, own.Cancel(ctx))
+	require.Equal(t, before, calls.Load(), "the traded ones hold nothing: Cancel makes no call")
+
+	// The slot has come (it came at once): the claimed one gives nothing
+	// back, the spare does.
+	require.NoError(t, claimed.Cancel(ctx))
+	require.Equal(t, before, calls.Load(), "claimed, its slot come: no call")
+	require.NoError(t, spare.Cancel(ctx))
+	next, err := l.Reserve(ctx, "trade")
+	require.NoError(t, err)
+	require.True(t, next.OK())
+	require.Zero(t, next.Booking().Wait, "one request stands: room at once")
+
+	// The late one over own: own's holder cannot take it (the late one
+	// is the key's latest, and gives its own room back).
+	late, own = batch("over", false)
+	require.True(t, own.Booking().Before(late.Booking()))
+	c, s = late.Trade(own)
+	require.Nil(t, c, "the late one over own")
+	require.Nil(t, s)
+	require.NoError(t, late.Cancel(ctx))
+	next, err = l.Reserve(ctx, "over")
+	require.NoError(t, err)
+	require.Zero(t, next.Booking().Wait, "the late one's room came back")
+}
