@@ -267,9 +267,23 @@ func (p *Pool) handDownLocked(now time.Time) {
 
 // byBooking orders two bookings as they stand on their key: by slot on
 // the Redis clock, which a later booking of a key never has earlier, then
-// by order of booking (seq).
+// by Redis's own order (throttle.Booking.Before: bookings of one burst
+// share a slot, and with WithLease the replies of one key's calls reach
+// the pool in any order), then by order of booking (seq).
 func byBooking(a, b *Job) int {
-	return cmp.Or(a.at.Compare(b.at), cmp.Compare(a.seq, b.seq))
+	if c := a.at.Compare(b.at); c != 0 {
+		return c
+	}
+	if a.res != nil && b.res != nil {
+		ab, bb := a.res.Booking(), b.res.Booking()
+		switch {
+		case ab.Before(bb):
+			return -1
+		case bb.Before(ab):
+			return 1
+		}
+	}
+	return cmp.Compare(a.seq, b.seq)
 }
 
 // handedStart is the local start of a booking (slot at on the Redis
@@ -381,20 +395,72 @@ func (p *Pool) startDueLocked(now time.Time) {
 		j := p.slots[0]
 		p.moveLocked(j, running, nil)
 		p.forgetUnderLocked(j)
+		if p.sem != nil && p.flying[j.key] > 0 && j.res.Booking().OK {
+			// A late refusal of a call in flight may yet land under it.
+			p.stood[j.key] = append(p.stood[j.key], &Job{key: j.key, ctx: j.ctx, state: done, index: -1, res: j.res, at: j.at, act: j.act, seq: j.seq})
+		}
+	}
+}
+
+// tradeLocked trades the held booking of o, a late refusal's (owed),
+// for the booking of s, a started job's (or its record in stood), of the
+// same slot that stands on o's (see reserve.Reservation.Trade): s now
+// stands on o's booking, and o's place among the owed bookings is taken
+// by s's own, held as o's was, to be given back once nothing wanted
+// stands on it. Without it o's room would be lost: it lies under s's,
+// which ran. It reports whether they traded. p.mu is held.
+func (p *Pool) tradeLocked(o, s *Job) bool {
+	claimed, spare := o.res.Trade(s.res)
+	if claimed == nil {
+		return false
+	}
+	i := slices.Index(p.owed, o)
+	if o.state == refunding {
+		p.moveLocked(o, done, o.err) // refused late: done with its refusal
+	}
+	p.owed[i] = &Job{key: s.key, ctx: s.ctx, state: done, index: -1, res: spare, at: s.at, act: s.act, seq: s.seq} // one of no job's
+	s.res, s.seq = claimed, o.seq
+	return true
+}
+
+// tradeUnderLocked trades o, a late refusal's booking just owed, with the
+// latest booking of a started job of its key that stands on it with the
+// same slot, if any (see tradeLocked). p.mu is held.
+func (p *Pool) tradeUnderLocked(o *Job) {
+	ss := p.stood[o.key]
+	var top *Job
+	for _, s := range ss {
+		if s.at.Equal(o.at) && byBooking(o, s) < 0 && (top == nil || byBooking(s, top) > 0) {
+			top = s
+		}
+	}
+	if top != nil {
+		p.tradeLocked(o, top)
 	}
 }
 
 // forgetUnderLocked drops the owed bookings of j's key under j's, which
 // j, started, now stands on for good: none of them can give anything
 // back (a late refusal's held booking would otherwise wait for j to start
-// and then be sent, for nothing). Only bookings made in Redis, under one
-// made in Redis: a fallback's local booking (its slot the zero Time, so
-// first by byBooking) stands on no key in Redis, nor one of Redis on its
-// local limiter. A late refusal's job is done with its refusal. p.mu is
-// held.
+// and then be sent, for nothing). First, j trades its booking for the
+// earliest late refusal's held booking of the same slot under it, if
+// there is one (see tradeLocked): j then stands on that one, and its own
+// is owed. Only bookings made in Redis, under one made in Redis: a
+// fallback's local booking (its slot the zero Time, so first by
+// byBooking) stands on no key in Redis, nor one of Redis on its local
+// limiter. A late refusal's job is done with its refusal. p.mu is held.
 func (p *Pool) forgetUnderLocked(j *Job) {
 	if len(p.owed) == 0 || !j.res.Booking().OK {
 		return
+	}
+	var low *Job
+	for _, o := range p.owed {
+		if o.key == j.key && !o.res.OK() && o.at.Equal(j.at) && byBooking(o, j) < 0 && (low == nil || byBooking(o, low) < 0) {
+			low = o
+		}
+	}
+	if low != nil {
+		p.tradeLocked(low, j)
 	}
 	p.owed = slices.DeleteFunc(p.owed, func(o *Job) bool {
 		if o.key != j.key || !o.res.Booking().OK || byBooking(o, j) >= 0 {
@@ -474,6 +540,11 @@ func (p *Pool) book(key string, batch []*Job) {
 	if err == nil && len(rs) != len(batch) {
 		err = fmt.Errorf("pool: %d answers to a batch of %d", len(rs), len(batch))
 	}
+	if p.afterReply != nil {
+		for _, j := range batch {
+			p.afterReply(j.ctx)
+		}
+	}
 	now := time.Now()
 	maxWait, _ := p.lim.MaxWait()
 
@@ -481,6 +552,7 @@ func (p *Pool) book(key string, batch []*Job) {
 	defer p.mu.Unlock()
 	if p.flying[key]--; p.flying[key] == 0 {
 		delete(p.flying, key)
+		defer delete(p.stood, key) // no late refusal is left to land under them
 	}
 	var retryAt time.Time
 	// Backwards, so that jobs going back to the front of the backlog keep
@@ -516,6 +588,7 @@ func (p *Pool) book(key string, batch []*Job) {
 				j.seq, j.at, j.act = p.bookings+uint64(i), b.At, now.Add(b.Wait)
 				p.moveLocked(j, refunding, r.Err())
 				p.owed = append(p.owed, j)
+				p.tradeUnderLocked(j) // a job started on top of it
 				break
 			}
 			p.moveLocked(j, done, outcome(j, r, p.closed))

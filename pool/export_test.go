@@ -1,5 +1,7 @@
 package pool
 
+import "context"
+
 // BacklogKeys returns how many keys the pool keeps backlog and turn
 // bookkeeping for, for tests that check it is bounded by the keys with
 // backlog.
@@ -23,4 +25,14 @@ func SetSerial(p *Pool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.maxFlights = 1
+}
+
+// SetAfterReply makes p call f, in book, with the context of each job of
+// a batch once the batch's reply is in and before the pool looks at it:
+// for tests that hold one job's reply back while others go on. Call it
+// before submitting.
+func SetAfterReply(p *Pool, f func(ctx context.Context)) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.afterReply = f
 }

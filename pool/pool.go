@@ -43,6 +43,7 @@ type Pool struct {
 	slots      jobHeap              // booked jobs, earliest slot first
 	owed       []*Job               // jobs whose booking is still to give back: done, or refused late and refunding (see takeRefundsLocked)
 	flying     map[string]int       // keys with booking calls in flight: how many (see book)
+	stood      map[string][]*Job    // with WithLease, while a key's calls are in flight: the bookings its started jobs stand on (see tradeLocked)
 	giving     map[string]int       // keys with bookings being given back: how many (see giveBack)
 	maxFlights int                  // most batches in flight at once: the const maxFlights (tests may lower it)
 	gave       sync.Cond            // on mu: signalled when giveBack is done (a key's giving may be 0)
@@ -52,6 +53,8 @@ type Pool struct {
 	idle       chan struct{}        // closed while pending is 0
 	bookings   uint64               // bookings made so far, to give back the latest first
 	closed     bool
+
+	afterReply func(ctx context.Context) // tests: called in book for each job's context once the reply is in
 }
 
 // An Option configures a Pool in New.
@@ -82,6 +85,7 @@ func New(lim *reserve.Limiter, opts ...Option) (*Pool, error) {
 		quit:       make(chan struct{}),
 		queues:     make(map[string]*keyQueue),
 		flying:     make(map[string]int),
+		stood:      make(map[string][]*Job),
 		giving:     make(map[string]int),
 		maxFlights: maxFlights,
 		idle:       make(chan struct{}),

@@ -1,0 +1,115 @@
+package pool_test
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/pool"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+type heldReplyKey struct{}
+
+// TestLeaseLateRefusalUnderJobOfSameSlot: with WithLease each job books
+// alone, so two jobs of a key can be booked in one merged call, and
+// within a burst both get the same slot (At); their replies reach the
+// pool in either order. L is refused late (its deadline passes while the
+// reply is out: its booking held for the pool); R runs. Textbook GCRA: only
+// R ran on the key, which has room for two at once, so a booking made
+// straight in Redis right after finds room at once. Every order is
+// tried: L booked under R or over it in Redis (the merger's order, seen
+// through Booking.Before), and L's reply looked at first or last (held
+// back until R has run: L's booking then lands under a job already
+// done). Before, the pool ordered the two by
+// the order their replies reached it, and lost L's room (8.6 s of wait)
+// whenever L lay under R.
+func TestLeaseLateRefusalUnderJobOfSameSlot(t *testing.T) {
+	t.Parallel()
+	lim := throttle.PerMinute(6, 1) // I = 10 s, room for two at once
+	r := newFGRig(t, "trade", lim, throttle.WithMergeAt(1))
+	sem, err := lease.New(r.probe, "tradelease", 64, lease.WithTTL(time.Minute))
+	require.NoError(t, err)
+	defer func() { _ = sem.Close(context.Background()) }()
+	p, err := pool.New(r.lim, pool.WithWorkers(16), pool.WithLease(sem))
+	require.NoError(t, err)
+	const D = 400 * time.Millisecond
+	var held = make(chan struct{}) // closed once R has run, per trial
+	pool.SetAfterReply(p, func(ctx context.Context) {
+		if ctx.Value(heldReplyKey{}) != nil {
+			<-held
+		}
+	})
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		require.NoError(t, p.Close(ctx))
+	}()
+	r.proxy.SetReplyDelay(D)
+	bg := context.Background()
+	met := map[string]int{}
+	trial := 0
+	for _, holdL := range []bool{true, false} {
+		// Which of L and R Redis books first is up to the merger: try
+		// until both orders have been seen (or give up after 30 trials).
+		seen := map[bool]bool{}
+		for n := 0; n < 30 && !(seen[true] && seen[false]); n++ {
+			trial++
+			key := fmt.Sprintf("k%d", trial)
+			held = make(chan struct{})
+			x, err := p.Submit(bg, "x"+key, fgNop)
+			require.NoError(t, err)
+			time.Sleep(60 * time.Millisecond) // X's call in flight: the next bookings merge
+			lctx, lcancel := context.WithTimeout(bg, D-150*time.Millisecond)
+			rctx := bg
+			if holdL {
+				lctx = context.WithValue(lctx, heldReplyKey{}, true)
+			} else {
+				rctx = context.WithValue(rctx, heldReplyKey{}, true)
+			}
+			var l, rj *pool.Job
+			var wg sync.WaitGroup
+			wg.Add(2)
+			go func() { defer wg.Done(); l, _ = p.Submit(lctx, key, fgNop) }()
+			go func() { defer wg.Done(); rj, _ = p.Submit(rctx, key, fgNop) }()
+			wg.Wait()
+			require.NotNil(t, l)
+			require.NotNil(t, rj)
+			wctx, wcancel := context.WithTimeout(bg, 20*time.Second)
+			if holdL {
+				require.NoError(t, rj.Wait(wctx)) // R has run; then L's reply is looked at
+				close(held)
+				_ = l.Wait(wctx)
+			} else {
+				_ = l.Wait(wctx) // L is owed; then R's reply is looked at, and R runs
+				close(held)
+				require.NoError(t, rj.Wait(wctx))
+			}
+			require.NoError(t, x.Wait(wctx))
+			require.NoError(t, p.Wait(wctx)) // give-backs, if any, are under way or done
+			wcancel()
+			lcancel()
+			time.Sleep(2*D + 200*time.Millisecond) // a give-back's reply is in
+
+			lb, rb := l.Reservation().Booking(), rj.Reservation().Booking()
+			if !hoLate(l) || !lb.At.Equal(rb.At) {
+				t.Logf("trial %d: premise not met (L late %v, L err %v; L at %v, R at %v)", trial, hoLate(l), l.Err(), lb.At, rb.At)
+				continue
+			}
+			// L under R: L's booking first, or R's now (R took it: see
+			// reserve.Reservation.Trade).
+			under := !rb.Before(lb)
+			seen[under] = true
+			met[fmt.Sprintf("L under R %v, L's reply last %v", under, holdL)]++
+			pb := r.probeBook(t, key)
+			require.Zero(t, pb.Wait, "trial %d (L under R: %v; L's reply looked at last: %v): L's held room did not come back", trial, under, holdL)
+		}
+		require.True(t, seen[true], "L's reply last %v: no trial booked L under R", holdL)
+	}
+	t.Logf("cases met: %v", met)
+}
