@@ -395,9 +395,9 @@ func (p *Pool) startDueLocked(now time.Time) {
 		j := p.slots[0]
 		p.moveLocked(j, running, nil)
 		p.forgetUnderLocked(j)
-		if p.sem != nil && p.flying[j.key] > 0 && j.res.Booking().OK {
+		if len(p.aloft[j.key]) > 0 && j.res.Booking().OK {
 			// A late refusal of a call in flight may yet land under it.
-			p.stood[j.key] = append(p.stood[j.key], &Job{key: j.key, ctx: j.ctx, state: done, index: -1, res: j.res, at: j.at, act: j.act, seq: j.seq})
+			p.stood[j.key] = append(p.stood[j.key], &Job{key: j.key, ctx: j.ctx, state: done, index: -1, res: j.res, at: j.at, act: j.act, seq: j.seq, flight: p.sent})
 		}
 	}
 }
@@ -436,6 +436,27 @@ func (p *Pool) tradeUnderLocked(o *Job) {
 	}
 	if top != nil {
 		p.tradeLocked(o, top)
+	}
+}
+
+// landedLocked takes call n of key (WithLease) off the calls in flight,
+// and drops the records of started jobs' bookings (stood) that no call
+// still in flight was sent before: a call sent after a job started is
+// booked in Redis after it, so nothing it books lies under the job's.
+// p.mu is held.
+func (p *Pool) landedLocked(key string, n uint64) {
+	aloft := slices.DeleteFunc(p.aloft[key], func(m uint64) bool { return m == n })
+	if len(aloft) == 0 {
+		delete(p.aloft, key)
+		delete(p.stood, key)
+		return
+	}
+	p.aloft[key] = aloft
+	stood := slices.DeleteFunc(p.stood[key], func(s *Job) bool { return s.flight <= aloft[0] })
+	if len(stood) == 0 {
+		delete(p.stood, key)
+	} else {
+		p.stood[key] = stood
 	}
 }
 
@@ -552,7 +573,9 @@ func (p *Pool) book(key string, batch []*Job) {
 	defer p.mu.Unlock()
 	if p.flying[key]--; p.flying[key] == 0 {
 		delete(p.flying, key)
-		defer delete(p.stood, key) // no late refusal is left to land under them
+	}
+	if p.sem != nil {
+		defer p.landedLocked(key, batch[0].flight) // once its answer has been looked at
 	}
 	var retryAt time.Time
 	// Backwards, so that jobs going back to the front of the backlog keep

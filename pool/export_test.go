@@ -36,3 +36,15 @@ func SetAfterReply(p *Pool, f func(ctx context.Context)) {
 	defer p.mu.Unlock()
 	p.afterReply = f
 }
+
+// Stood returns how many records of started jobs' bookings p keeps for
+// late refusals still in flight (WithLease), and how many keys have
+// booking calls in flight.
+func Stood(p *Pool) (records, keysAloft int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, ss := range p.stood {
+		records += len(ss)
+	}
+	return records, len(p.aloft)
+}

@@ -28,6 +28,7 @@ type Job struct {
 	elem    *list.Element // in its key's backlog, while queued
 	index   int           // in the pool's slots heap, while booked
 	seq     uint64        // order of its booking among the pool's, once booked
+	flight  uint64        // with WithLease: the number of its booking call; for a record in stood, the calls sent before its job started
 	at      time.Time     // once booked: its slot on the Redis clock (Booking().At)
 	act     time.Time     // once booked: the local time its slot comes (for a late refusal, as reserve would have it)
 	res     *reserve.Reservation

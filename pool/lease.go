@@ -80,6 +80,9 @@ func (p *Pool) leaseAndBook(key string, batch []*Job) {
 			// and gives it back with the others of its key, latest
 			// first, if it is not to run.
 			p.flying[key]++
+			j.flight = p.sent
+			p.sent++
+			p.aloft[key] = append(p.aloft[key], j.flight)
 			p.mu.Unlock()
 			p.book(key, []*Job{j})
 		}()

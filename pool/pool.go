@@ -43,7 +43,9 @@ type Pool struct {
 	slots      jobHeap              // booked jobs, earliest slot first
 	owed       []*Job               // jobs whose booking is still to give back: done, or refused late and refunding (see takeRefundsLocked)
 	flying     map[string]int       // keys with booking calls in flight: how many (see book)
-	stood      map[string][]*Job    // with WithLease, while a key's calls are in flight: the bookings its started jobs stand on (see tradeLocked)
+	stood      map[string][]*Job    // with WithLease: the bookings a key's started jobs stand on, while a call sent before they started flies (see tradeUnderLocked)
+	aloft      map[string][]uint64  // with WithLease: the numbers of each key's booking calls in flight, in order
+	sent       uint64               // with WithLease: booking calls sent so far, which number them
 	giving     map[string]int       // keys with bookings being given back: how many (see giveBack)
 	maxFlights int                  // most batches in flight at once: the const maxFlights (tests may lower it)
 	gave       sync.Cond            // on mu: signalled when giveBack is done (a key's giving may be 0)
@@ -86,6 +88,7 @@ func New(lim *reserve.Limiter, opts ...Option) (*Pool, error) {
 		queues:     make(map[string]*keyQueue),
 		flying:     make(map[string]int),
 		stood:      make(map[string][]*Job),
+		aloft:      make(map[string][]uint64),
 		giving:     make(map[string]int),
 		maxFlights: maxFlights,
 		idle:       make(chan struct{}),

@@ -113,3 +113,60 @@ func TestLeaseLateRefusalUnderJobOfSameSlot(t *testing.T) {
 	}
 	t.Logf("cases met: %v", met)
 }
+
+// TestLeaseStoodBounded: a WithLease pool keeps, for late refusals still
+// in flight, a record of the bookings its started jobs stand on; under
+// steady load on one key a call is always in flight, so the records must
+// go once no call sent before their job started is left, not only when
+// the key's calls all land. 600 jobs on a hot key, 16 at a time, each
+// reply 2 ms late: the records stay few, and none is left after.
+func TestLeaseStoodBounded(t *testing.T) {
+	t.Parallel()
+	r := newFGRig(t, "stood", throttle.PerSecond(2000, 40))
+	sem, err := lease.New(r.probe, "stoodlease", 16, lease.WithTTL(time.Minute))
+	require.NoError(t, err)
+	defer func() { _ = sem.Close(context.Background()) }()
+	p, err := pool.New(r.lim, pool.WithWorkers(16), pool.WithLease(sem))
+	require.NoError(t, err)
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		require.NoError(t, p.Close(ctx))
+	}()
+	r.proxy.SetReplyDelay(2 * time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	const jobs = 600
+	js := make([]*pool.Job, jobs)
+	for i := range js {
+		js[i], err = p.Submit(ctx, "hot", fgNop)
+		require.NoError(t, err)
+	}
+	most, aloftSeen := 0, false
+	stop, sampled := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(sampled)
+		for {
+			n, aloft := pool.Stood(p)
+			most = max(most, n)
+			aloftSeen = aloftSeen || aloft > 0
+			select {
+			case <-stop:
+				return
+			case <-time.After(200 * time.Microsecond):
+			}
+		}
+	}()
+	require.NoError(t, p.Wait(ctx))
+	close(stop)
+	<-sampled
+	for i, j := range js {
+		require.NoError(t, j.Err(), "job %d", i)
+	}
+	require.True(t, aloftSeen, "the test's premise: calls in flight")
+	n, aloft := pool.Stood(p)
+	require.Zero(t, n, "records left once every call has landed")
+	require.Zero(t, aloft)
+	t.Logf("most records at once: %d", most)
+	require.LessOrEqual(t, most, 64, "records of %d jobs: they pile up", jobs)
+}
