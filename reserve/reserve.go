@@ -1048,26 +1048,26 @@ func (r *Reservation) Claim() *Reservation {
 
 // Trade is Claim for the holder of own, an OK Reservation of the same
 // Limiter and key whose booking has the same slot as r's (Booking().At)
-// and stands on it (r's Booking().Before own's: booked after it in the
-// same burst, by one call, say), who has acted, or will act, in own's
-// slot. A late refusal held under own would give nothing back, for own
-// stands on it; so own's holder takes r's booking, of the same slot, and
-// gives up its own, the key's later one. Trade returns claimed, OK, which
-// holds r's booking as Claim's Reservation would, and spare, which holds
-// own's booking as a late refusal held for its caller does (not OK; its
-// Booking().OK is true, its Err is r's): no one acts on it, so its Cancel
-// gives it back even once its slot has come, and Claim or Trade hands it
-// on. r and own then hold nothing: their Cancel does nothing. Trade
-// returns nil, nil and changes nothing when r could not be claimed, or
-// own is not such a Reservation (a view, cancelled, claimed from, or
-// answered by the fallback).
+// and number of units, and stands on it (r's Booking().Before own's:
+// booked after it in the same burst, by one call, say), who has acted, or
+// will act, in own's slot. A late refusal held under own would give
+// nothing back, for own stands on it; so own's holder takes r's booking,
+// of the same slot, and gives up its own, the key's later one. Trade
+// returns claimed, OK, which holds r's booking as Claim's Reservation
+// would, and spare, which holds own's booking as a late refusal held for
+// its caller does (not OK; its Booking().OK is true, its Err is r's): no
+// one acts on it, so its Cancel gives it back even once its slot has come,
+// and Claim or Trade hands it on. r and own then hold nothing: their
+// Cancel does nothing. Trade returns nil, nil and changes nothing when r
+// could not be claimed, or own is not such a Reservation (a view,
+// cancelled, claimed from, or answered by the fallback).
 //
 // It is exact: had r's request not been booked, own's would have been
 // booked where r's was, at the same slot, and everything after it as it
 // is.
 func (r *Reservation) Trade(own *Reservation) (claimed, spare *Reservation) {
 	if r.view || !r.held || own == nil || own.view || !own.OK() || own.fallback ||
-		own.lim != r.lim || own.key != r.key || own.booking == nil ||
+		own.lim != r.lim || own.key != r.key || own.booking == nil || own.booking.N != r.booking.N ||
 		!own.booking.At.Equal(r.booking.At) || !r.booking.Before(*own.booking) {
 		return nil, nil
 	}

@@ -2,6 +2,7 @@ package reserve_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -106,4 +107,25 @@ func TestBatchHoldLateTrade(t *testing.T) {
 	next, err = l.Reserve(ctx, "over")
 	require.NoError(t, err)
 	require.Zero(t, next.Booking().Wait, "the late one's room came back")
+
+	// Bookings of other sizes: a holder that acted on two units cannot
+	// stand on one (that would let a unit through early), nor is one of
+	// two units its to give up for a one-unit booking.
+	l3, err := reserve.New(eng, "api3", throttle.PerSecond(2, 2)) // room for three at once
+	require.NoError(t, err)
+	for _, n := range [][2]int{{1, 2}, {2, 1}} {
+		dl, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+		t.Cleanup(cancel)
+		key := fmt.Sprintf("sizes-%d-%d", n[0], n[1])
+		rs, err := l3.ReserveBatch(ctx, key, []reserve.BatchRequest{{Context: dl, N: n[0], HoldLate: true}, {N: n[1], HoldLate: true}})
+		require.NoError(t, err)
+		late, own := rs[0], rs[1]
+		require.True(t, late.Booking().OK && !late.OK(), "the test's premise: held, %v", late.Err())
+		require.True(t, own.OK(), "%v", own.Err())
+		require.Equal(t, late.Booking().At, own.Booking().At, "the test's premise: one slot")
+		c, s := late.Trade(own)
+		require.Nil(t, c, "late %d units, own %d", n[0], n[1])
+		require.Nil(t, s)
+		require.NotNil(t, late.Claim(), "unchanged: still claimable")
+	}
 }
