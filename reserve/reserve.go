@@ -1064,7 +1064,10 @@ func (r *Reservation) Claim() *Reservation {
 //
 // It is exact: had r's request not been booked, own's would have been
 // booked where r's was, at the same slot, and everything after it as it
-// is.
+// is. It trusts Before, which tells nothing across a Reset of the key:
+// do not Trade bookings made apart by one (on the Redis clock two such
+// bookings never share a slot to the microsecond; on a test clock they
+// can, and own's units would then be let through early).
 func (r *Reservation) Trade(own *Reservation) (claimed, spare *Reservation) {
 	if r.view || !r.held || own == nil || own.view || !own.OK() || own.fallback ||
 		own.lim != r.lim || own.key != r.key || own.booking == nil || own.booking.N != r.booking.N ||
