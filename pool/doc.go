@@ -59,13 +59,13 @@
 //     the same way (its job reports done with the refusal): a later job of
 //     the key runs in its slot (reserve's Reservation.Claim), or it goes
 //     back, even once its slot has come (no one acted on it), unless a
-//     later job of its key has started. With WithLease, jobs of a key
-//     booked in one merged call within a burst share a slot, and their
-//     replies come in any order: a job of that slot that runs on top of
-//     the held booking, before or after the refusal's reply is in, trades
-//     bookings with it (reserve's Reservation.Trade), and its own, the
-//     later, goes back instead. Job.Reservation hands out a view: a
-//     caller's Cancel of it cannot get in the way.
+//     later job of its key has started. Jobs of a key booked in one call
+//     within a burst share a slot (with WithLease, in one merged call,
+//     and their replies come in any order): a job of that slot that runs
+//     on top of the held booking, before or after the refusal's reply is
+//     in, trades bookings with it (reserve's Reservation.Trade), and its
+//     own, the later, goes back instead. Job.Reservation hands out a
+//     view: a caller's Cancel of it cannot get in the way.
 //   - Failures. A batch whose Redis call fails ends its jobs with the error
 //     (a lost reply may have booked; nothing is given back for it).
 //   - Panics. A job's panic becomes its error, a *PanicError with the panic

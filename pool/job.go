@@ -83,8 +83,8 @@ func (j *Job) Started() time.Time {
 // job's booking is the one it held when it was done: the pool may hand it
 // down to another job after that (an owed booking), which then runs in it.
 // So may a job refused late (its booking held: Booking().OK is true). A
-// job that ran on top of such a booking of its own slot (see WithLease)
-// traded bookings with it: its Reservation is the refusal's booking if
+// job that ran on top of such a booking of its own slot (see
+// Cancellation in the package doc) traded bookings with it: its Reservation is the refusal's booking if
 // the trade was made as it started, its own if made after.
 func (j *Job) Reservation() *reserve.Reservation {
 	<-j.done

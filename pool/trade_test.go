@@ -170,3 +170,59 @@ func TestLeaseStoodBounded(t *testing.T) {
 	t.Logf("most records at once: %d", most)
 	require.LessOrEqual(t, most, 64, "records of %d jobs: they pile up", jobs)
 }
+
+// TestBatchLateRefusalUnderJobOfSameSlot: without leases, two jobs of a
+// key booked in one batch within a burst share a slot too. L, the first,
+// is refused late (its deadline passes while the reply is out: held); R,
+// booked on top of it, runs at once, so L's slot has come before anyone
+// could be handed it. Textbook GCRA: X and R ran on a key with room for
+// three at once, so a booking made straight in Redis right after finds
+// room at once. Before, L's room was lost under R (its booking forgotten
+// as R started).
+func TestBatchLateRefusalUnderJobOfSameSlot(t *testing.T) {
+	t.Parallel()
+	lim := throttle.PerMinute(6, 2) // I = 10 s, room for three at once
+	r := newFGRig(t, "batchtrade", lim)
+	p, err := pool.New(r.lim, pool.WithWorkers(16))
+	require.NoError(t, err)
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		require.NoError(t, p.Close(ctx))
+	}()
+	const D = 400 * time.Millisecond
+	r.proxy.SetReplyDelay(D)
+	bg := context.Background()
+	met := 0
+	for trial := 0; trial < 10 && met < 2; trial++ {
+		key := fmt.Sprintf("k%d", trial)
+		x, err := p.Submit(bg, key, fgNop)
+		require.NoError(t, err)
+		time.Sleep(60 * time.Millisecond) // X's batch in flight: L and R wait for it, then go in one batch
+		// Sent about D after X, L has about 250 ms left: booked at once,
+		// its reply D later comes too late.
+		lctx, lcancel := context.WithTimeout(bg, D+250*time.Millisecond-60*time.Millisecond)
+		l, err := p.Submit(lctx, key, fgNop)
+		require.NoError(t, err)
+		rj, err := p.Submit(bg, key, fgNop)
+		require.NoError(t, err)
+		wctx, wcancel := context.WithTimeout(bg, 20*time.Second)
+		require.NoError(t, x.Wait(wctx))
+		require.NoError(t, rj.Wait(wctx))
+		_ = l.Wait(wctx)
+		require.NoError(t, p.Wait(wctx))
+		wcancel()
+		lcancel()
+		time.Sleep(2*D + 200*time.Millisecond) // a give-back's reply is in
+
+		lr, rr := l.Reservation(), rj.Reservation()
+		if !hoLate(l) || lr == nil || !lr.Booking().At.Equal(rr.Booking().At) {
+			t.Logf("trial %d: premise not met (L late %v, L err %v)", trial, hoLate(l), l.Err())
+			continue
+		}
+		met++
+		pb := r.probeBook(t, key)
+		require.Zero(t, pb.Wait, "trial %d: L's held room did not come back", trial)
+	}
+	require.Positive(t, met, "no trial met the premise")
+}
