@@ -16,6 +16,28 @@ import (
 
 type heldReplyKey struct{}
 
+// newTradePool returns a pool of 16 workers on r's limiter, WithLease of
+// a semaphore of n leases per key if n > 0, closed (and its semaphore)
+// when the test ends.
+func newTradePool(t *testing.T, r *fgRig, n int) *pool.Pool {
+	t.Helper()
+	opts := []pool.Option{pool.WithWorkers(16)}
+	if n > 0 {
+		sem, err := lease.New(r.probe, r.name+"lease", n, lease.WithTTL(time.Minute))
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = sem.Close(context.Background()) })
+		opts = append(opts, pool.WithLease(sem))
+	}
+	p, err := pool.New(r.lim, opts...)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		require.NoError(t, p.Close(ctx))
+	})
+	return p
+}
+
 // TestLeaseLateRefusalUnderJobOfSameSlot: with WithLease each job books
 // alone, so two jobs of a key can be booked in one merged call, and
 // within a burst both get the same slot (At); their replies reach the
@@ -33,11 +55,7 @@ func TestLeaseLateRefusalUnderJobOfSameSlot(t *testing.T) {
 	t.Parallel()
 	lim := throttle.PerMinute(6, 1) // I = 10 s, room for two at once
 	r := newFGRig(t, "trade", lim, throttle.WithMergeAt(1))
-	sem, err := lease.New(r.probe, "tradelease", 64, lease.WithTTL(time.Minute))
-	require.NoError(t, err)
-	defer func() { _ = sem.Close(context.Background()) }()
-	p, err := pool.New(r.lim, pool.WithWorkers(16), pool.WithLease(sem))
-	require.NoError(t, err)
+	p := newTradePool(t, r, 64)
 	const D = 400 * time.Millisecond
 	var held = make(chan struct{}) // closed once R has run, per trial
 	pool.SetAfterReply(p, func(ctx context.Context) {
@@ -45,11 +63,6 @@ func TestLeaseLateRefusalUnderJobOfSameSlot(t *testing.T) {
 			<-held
 		}
 	})
-	defer func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		require.NoError(t, p.Close(ctx))
-	}()
 	r.proxy.SetReplyDelay(D)
 	bg := context.Background()
 	met := map[string]int{}
@@ -123,24 +136,16 @@ func TestLeaseLateRefusalUnderJobOfSameSlot(t *testing.T) {
 func TestLeaseStoodBounded(t *testing.T) {
 	t.Parallel()
 	r := newFGRig(t, "stood", throttle.PerSecond(2000, 40))
-	sem, err := lease.New(r.probe, "stoodlease", 16, lease.WithTTL(time.Minute))
-	require.NoError(t, err)
-	defer func() { _ = sem.Close(context.Background()) }()
-	p, err := pool.New(r.lim, pool.WithWorkers(16), pool.WithLease(sem))
-	require.NoError(t, err)
-	defer func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		require.NoError(t, p.Close(ctx))
-	}()
+	p := newTradePool(t, r, 16)
 	r.proxy.SetReplyDelay(2 * time.Millisecond)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	const jobs = 600
 	js := make([]*pool.Job, jobs)
 	for i := range js {
-		js[i], err = p.Submit(ctx, "hot", fgNop)
+		j, err := p.Submit(ctx, "hot", fgNop)
 		require.NoError(t, err)
+		js[i] = j
 	}
 	most, aloftSeen := 0, false
 	stop, sampled := make(chan struct{}), make(chan struct{})
@@ -183,13 +188,7 @@ func TestBatchLateRefusalUnderJobOfSameSlot(t *testing.T) {
 	t.Parallel()
 	lim := throttle.PerMinute(6, 2) // I = 10 s, room for three at once
 	r := newFGRig(t, "batchtrade", lim)
-	p, err := pool.New(r.lim, pool.WithWorkers(16))
-	require.NoError(t, err)
-	defer func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		require.NoError(t, p.Close(ctx))
-	}()
+	p := newTradePool(t, r, 0)
 	const D = 400 * time.Millisecond
 	r.proxy.SetReplyDelay(D)
 	bg := context.Background()
