@@ -55,8 +55,10 @@
 //     to it starts as early as its own reply or the booking's allows,
 //     never later than its own slot would have), and only bookings made in
 //     Redis, not a fallback's. A booking refused on arrival because the
-//     reply's latency left its job too little time is owed and handed down
-//     the same way (its job reports done with the refusal): a later job of
+//     reply's latency left its job too little time, or because its job's
+//     context ended while the call was out, is owed and handed down the
+//     same way (its job reports done with the refusal, or its context's
+//     error): a later job of
 //     the key runs in its slot (reserve's Reservation.Claim), or it goes
 //     back, even once its slot has come (no one acted on it), unless a
 //     later job of its key has started. Jobs of a key booked in one call

@@ -160,3 +160,37 @@ func TestBatchHoldLateClaim(t *testing.T) {
 	_, late, _ = lateBatch(t, l, "unheld", false)
 	require.Nil(t, late.Claim(), "not held")
 }
+
+// TestBatchHoldLateGone: with every reply held back 40 ms, a batch
+// request whose Context is cancelled while the call is out, its slot
+// immediate. With HoldLate it is refused with the context's error and
+// holds its booking (Booking().OK), whose Cancel gives the room back
+// though the slot has come, for no one acted on it: the next booking
+// finds the key idle (Wait 0 on the Redis clock). Before, it was answered
+// OK, and its Cancel, the slot come, gave nothing back (the next booking
+// waited an interval). Without HoldLate, ReserveBatch gives it back
+// itself and it holds nothing.
+func TestBatchHoldLateGone(t *testing.T) {
+	t.Parallel()
+	eng, p, _ := latencyEngine(t)
+	p.SetReplyDelay(40 * time.Millisecond)
+	l, err := reserve.New(eng, "gone", throttle.PerSecond(2, 0)) // 500 ms apart
+	require.NoError(t, err)
+	ctx := context.Background()
+	for _, hold := range []bool{true, false} {
+		key := fmt.Sprintf("k-%v", hold)
+		cctx, cancel := context.WithCancel(ctx)
+		time.AfterFunc(10*time.Millisecond, cancel) // the call is out by then
+		rs, err := l.ReserveBatch(ctx, key, []reserve.BatchRequest{{Context: cctx, N: 1, HoldLate: hold}})
+		require.NoError(t, err)
+		r := rs[0]
+		require.False(t, r.OK())
+		require.ErrorIs(t, r.Err(), context.Canceled)
+		require.Equal(t, hold, r.Booking().OK, "hold=%v: holds its booking", hold)
+		require.NoError(t, r.Cancel(ctx))
+		next, err := l.Reserve(ctx, key)
+		require.NoError(t, err)
+		require.True(t, next.OK())
+		require.Zero(t, next.Booking().Wait, "hold=%v: the gone request's room came back", hold)
+	}
+}

@@ -392,9 +392,11 @@ type BatchRequest struct {
 	// budget, but acting at it, counted from the reply's arrival, would
 	// end past the deadline. The Reservation is refused all the same (Err
 	// matching ErrWouldExceedDeadline), but it holds the booking:
-	// Booking().OK is true and Cancel gives it back, or Claim hands it to
-	// a caller that can act in its slot. Unset, ReserveBatch gives such a
-	// booking back itself.
+	// Booking().OK is true and Cancel gives it back (even once its slot
+	// has come: no one acts on a refusal), or Claim hands it to a caller
+	// that can act in its slot. So does a request whose Context ends
+	// while the call is out: refused with the context's error, holding
+	// its booking. Unset, ReserveBatch gives such bookings back itself.
 	//
 	// A caller that gives back several bookings of one key (a pool whose
 	// jobs are cancelled) sets it, so that it can give them all back
@@ -421,9 +423,8 @@ type BatchRequest struct {
 // made if every request's has). A request whose Context ends while the
 // call is out is refused with the context's error, and one that the
 // reply's latency made late with ErrWouldExceedDeadline; neither holds a
-// booking, unless it asks to hold it (HoldLate: a request held for its
-// caller is answered as if its Context had not ended, and a late one
-// holds its booking).
+// booking, unless it asks to hold it (HoldLate: the Reservation is
+// refused all the same, and holds its booking).
 //
 // The slots of the requests that will not act are handed down: the
 // requests that stand (booked, or held) take, in order, the earliest of
@@ -612,6 +613,13 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 			// the caller, for Cancel or Claim.
 			r.err = deadline.Refuse(deadline.ErrWouldExceedDeadline, s.budget, act.Sub(now))
 			r.act = act // for Cancel's look at whether the slot has come
+			r.held = true
+		case s.c.hold && bs[j].OK && s.c.ctx.Err() != nil:
+			// Its caller gone while the call was out: refused, its
+			// booking left to the caller as a late one's is (no one acts
+			// on it: Cancel gives it back even once its slot has come).
+			r.err = s.c.ctx.Err()
+			r.act = act
 			r.held = true
 		case tooLate || s.gone != nil:
 			// Late, or its caller gone: refused, and the slot given back
