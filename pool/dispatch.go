@@ -114,13 +114,21 @@ func earliest(a, b time.Time) time.Time {
 // judges it: there is nothing left to give). A booking refused late (see
 // book) is owed too, its job refunding until it is given back or handed
 // down, and is not forgotten when its slot comes: no one acted on it, and
-// its Cancel gives its room back whenever nothing stands on it. p.mu is
-// held.
+// its Cancel gives its room back whenever nothing stands on it, until its
+// units have lapsed (see lapsed; its job is then done with its refusal).
+// p.mu is held.
 func (p *Pool) takeRefundsLocked(now time.Time) []*Job {
 	p.owed = slices.DeleteFunc(p.owed, func(j *Job) bool {
 		// A late refusal's held booking (not OK) gives its room back even
-		// once its slot has come, for no one acted on it: it stays owed.
-		return j.res.OK() && !j.act.After(now) && !j.at.After(now)
+		// once its slot has come, for no one acted on it: it stays owed,
+		// until its units have lapsed.
+		if j.res.OK() && !j.act.After(now) && !j.at.After(now) || lapsed(j, now) {
+			if j.state == refunding {
+				p.moveLocked(j, done, j.err)
+			}
+			return true
+		}
+		return false
 	})
 	p.handDownLocked(now)
 	give, owe := refundable(p.slots, p.owed, p.closed, func(key string) bool { return p.flying[key] > 0 || p.giving[key] > 0 })
@@ -297,6 +305,16 @@ func byBooking(a, b *Job) int {
 // clock have none.
 func handedStart(at, act, ownAt, ownAct time.Time) time.Time {
 	return earliest(act, ownAct.Add(at.Sub(ownAt)))
+}
+
+// lapsed reports whether the units of j's booking no longer stand in front
+// of its key (throttle.Booking.End), so that giving it back, by any way,
+// would give nothing: by the local time at which its end comes, counted
+// as its slot's is, and by the end itself, in case the booking was made on
+// a clock ahead of the local one.
+func lapsed(j *Job, now time.Time) bool {
+	end := j.res.Booking().End()
+	return !end.IsZero() && !j.act.Add(end.Sub(j.at)).After(now) && !end.After(now)
 }
 
 // handable reports whether j's booking (a booked job's, or an owed one)

@@ -144,6 +144,17 @@ func (b Booking) Before(o Booking) bool {
 	return b.OK && o.OK && len(b.ends) > 0 && len(b.ends) == len(o.ends) && b.ends[0] < o.ends[0]
 }
 
+// End is the instant, on the Redis clock, from which b's units no longer
+// stand in front of its keys (the latest of the TATs it left): from then
+// on a give-back of b, by any way, gives nothing back. It is the zero Time
+// for a refusal.
+func (b Booking) End() time.Time {
+	if !b.OK || len(b.ends) == 0 {
+		return time.Time{}
+	}
+	return time.UnixMicro(slices.Max(b.ends))
+}
+
 // How a booking was given back: RefundAll's way or RefundUnused's.
 const (
 	wayUsed uint32 = 1 + iota
