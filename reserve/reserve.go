@@ -1001,8 +1001,8 @@ func (r *Reservation) Fallback() bool { return r.fallback }
 
 // Booking returns the engine's answer: the wait and slot as measured on the
 // Redis clock when the booking was made. Its OK reports whether Redis
-// booked a slot that r holds: for a refusal it is false, but for a late one
-// held for the caller (BatchRequest.HoldLate).
+// booked a slot that r holds: for a refusal it is false, but for one held
+// for the caller (BatchRequest.HoldLate: late, or its caller gone).
 func (r *Reservation) Booking() throttle.Booking {
 	if r.booking == nil {
 		return throttle.Booking{}
