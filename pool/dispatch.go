@@ -105,18 +105,17 @@ func earliest(a, b time.Time) time.Time {
 }
 
 // takeRefundsLocked finds the bookings to give back now (see refundable),
-// moves their booked jobs to refunding, and returns them with the owed
-// ones among them, the latest booking first, for giveBack. A booked job
-// whose context has ended but whose booking cannot be given back yet (a
-// later booking on its key still stands) is done at once, with its
-// context's error; its booking is owed, and given back once the later
-// ones are (or forgotten once its slot has come, as Reservation.Cancel
-// judges it: there is nothing left to give). A booking refused late (see
-// book) is owed too, its job refunding until it is given back or handed
-// down, and is not forgotten when its slot comes: no one acted on it, and
-// its Cancel gives its room back whenever nothing stands on it, until its
-// units have lapsed (see lapsed; its job is then done with its refusal).
-// p.mu is held.
+// moves their booked jobs to refunding, their bookings forgone (see
+// forgoLocked), and returns them with the owed ones among them, the latest
+// booking first, for giveBack. A booked job whose context has ended but
+// whose booking cannot be given back yet (a later booking on its key
+// still stands) is done at once, with its context's error; its booking is
+// owed, and given back once the later ones are. A booking refused late
+// (see book) is owed too, its job refunding until it is given back or
+// handed down. No one acted on an owed booking, so it is not forgotten
+// when its slot comes: its Cancel gives its room back whenever nothing
+// stands on it, until its units have lapsed (see lapsed; a late refusal's
+// job is then done with its refusal). p.mu is held.
 func (p *Pool) takeRefundsLocked(now time.Time) []*Job {
 	p.owed = slices.DeleteFunc(p.owed, func(j *Job) bool {
 		// A late refusal's held booking (not OK) gives its room back even
@@ -136,12 +135,14 @@ func (p *Pool) takeRefundsLocked(now time.Time) []*Job {
 	p.owed = slices.DeleteFunc(p.owed, func(j *Job) bool { return slices.Contains(give, j) })
 	for _, j := range give {
 		if j.state == booked {
+			p.forgoLocked(j)
 			p.moveLocked(j, refunding, endErr(j))
 		}
 		p.giving[j.key]++ // until giveBack is done: no booking of the key meanwhile
 	}
 	for _, j := range owe {
 		if j.state == booked {
+			p.forgoLocked(j)
 			p.moveLocked(j, refunding, endErr(j))
 			p.owed = append(p.owed, j)
 		}
@@ -236,6 +237,12 @@ func (p *Pool) handDownLocked(now time.Time) {
 			}
 			j := s.j
 			res := to.res
+			if s.owed >= 0 && res.OK() {
+				// A wanted job's own booking, which it never acted on.
+				if f := res.Forgo(endErr(j)); f != nil {
+					res = f
+				}
+			}
 			switch {
 			case s.owed >= 0:
 				if j.state == refunding {
@@ -305,6 +312,18 @@ func byBooking(a, b *Job) int {
 // clock have none.
 func handedStart(at, act, ownAt, ownAct time.Time) time.Time {
 	return earliest(act, ownAct.Add(at.Sub(ownAt)))
+}
+
+// forgoLocked turns the booking of j, a booked job that will not run (its
+// context ended, or the pool closed), into a held one (reserve's
+// Reservation.Forgo): no one acted on it, so it gives its room back even
+// once its slot has come, as a late refusal's does. (Booked with its slot
+// come, the job's context may end before the dispatcher starts it.) p.mu
+// is held.
+func (p *Pool) forgoLocked(j *Job) {
+	if f := j.res.Forgo(endErr(j)); f != nil {
+		j.res, j.forgone = f, true
+	}
 }
 
 // lapsed reports whether the units of j's booking no longer stand in front

@@ -36,38 +36,38 @@
 //     goes back to the front of the backlog, and its key is not booked again
 //     until the slot would fit.
 //   - Cancellation. A job whose context ends before its function starts
-//     does not run. If it was booked, its slot is handed down: the booked
-//     jobs of its key that are still wanted take the key's earliest slots,
-//     in their order (each starts at a slot no later than its own), and the
-//     slots left over, the latest, are given back. A booking gives its room
-//     back only while no later booking stands on its key, so the pool gives
-//     back the latest first, before the job reports done, unless a booking
-//     call of the key is in flight (it may book after them; with
-//     WithLease, jobs book one by one) or a wanted booking that cannot
-//     change hands (below) stands above. Then the job reports done at once
-//     and its booking is owed: handed down in turn once it can be, given
-//     back once nothing wanted stands on it (so jobs cancelled in any order
-//     give back all their room), or forgotten once its slot has come or a
-//     later job of its key has started (either way it could give nothing
-//     back). Only
-//     slots that have not come change hands (a slot passed unused is not
-//     run late; a job's replies tell it the Redis clock, so a slot handed
-//     to it starts as early as its own reply or the booking's allows,
-//     never later than its own slot would have), and only bookings made in
-//     Redis, not a fallback's. A booking refused on arrival because the
-//     reply's latency left its job too little time, or because its job's
-//     context ended while the call was out, is owed and handed down the
+//     does not run. If it was booked, no one acted on its booking (the
+//     pool forgoes it: reserve's Reservation.Forgo), so it can give its
+//     room back even once its slot has come; and its slot is handed down:
+//     the booked jobs of its key that are still wanted take the key's
+//     earliest slots, in their order (each starts at a slot no later than
+//     its own), and the slots left over, the latest, are given back. A
+//     booking gives its room back only while no later booking stands on
+//     its key, so the pool gives back the latest first, before the job
+//     reports done, unless a booking call of the key is in flight (it may
+//     book after them; with WithLease, jobs book one by one) or a wanted
+//     booking that cannot change hands (below) stands above. Then the job
+//     reports done at once and its booking is owed: handed down in turn
+//     once it can be, given back once nothing wanted stands on it (so jobs
+//     cancelled in any order give back all their room), or forgotten once
+//     a later job of its key has started on it or its units have lapsed
+//     (throttle's Booking.End): either way it could give nothing back.
+//     Only slots that have not come change hands (a slot passed unused is
+//     not run late; a job's replies tell it the Redis clock, so a slot
+//     handed to it starts as early as its own reply or the booking's
+//     allows, never later than its own slot would have), and only
+//     bookings made in Redis, not a fallback's. A booking refused on
+//     arrival, because the reply's latency left its job too little time or
+//     its job's context ended while the call was out, is held and owed the
 //     same way (its job reports done with the refusal, or its context's
-//     error): a later job of
-//     the key runs in its slot (reserve's Reservation.Claim), or it goes
-//     back, even once its slot has come (no one acted on it), unless a
-//     later job of its key has started. Jobs of a key booked in one call
-//     within a burst share a slot (with WithLease, in one merged call,
-//     and their replies come in any order): a job of that slot that runs
-//     on top of the held booking, before or after the refusal's reply is
-//     in, trades bookings with it (reserve's Reservation.Trade), and its
-//     own, the later, goes back instead. Job.Reservation hands out a
-//     view: a caller's Cancel of it cannot get in the way.
+//     error): a later job of its key may run in its slot (reserve's
+//     Reservation.Claim). Jobs of a key booked in one call within a burst
+//     share a slot (with WithLease, in one merged call, and their replies
+//     come in any order): a job of that slot that runs on top of a held
+//     booking, before or after the refusal's reply is in, trades bookings
+//     with it (reserve's Reservation.Trade), and its own, the later, goes
+//     back instead. Job.Reservation hands out a view: a caller's Cancel of
+//     it cannot get in the way.
 //   - Failures. A batch whose Redis call fails ends its jobs with the error
 //     (a lost reply may have booked; nothing is given back for it).
 //   - Panics. A job's panic becomes its error, a *PanicError with the panic

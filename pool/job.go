@@ -29,6 +29,7 @@ type Job struct {
 	index   int           // in the pool's slots heap, while booked
 	seq     uint64        // order of its booking among the pool's, once booked
 	flight  uint64        // with WithLease: the number of its booking call; for a record in stood, the calls sent before its job started
+	forgone bool          // booked, then its booking forgone as it will not run (see forgoLocked)
 	at      time.Time     // once booked: its slot on the Redis clock (Booking().At)
 	act     time.Time     // once booked: the local time its slot comes (for a late refusal, as reserve would have it)
 	res     *reserve.Reservation
@@ -82,7 +83,9 @@ func (j *Job) Started() time.Time {
 // to it, or, cancelled, a later one it took in its place. A cancelled
 // job's booking is the one it held when it was done: the pool may hand it
 // down to another job after that (an owed booking), which then runs in it.
-// So may a job refused late (its booking held: Booking().OK is true). A
+// So may a job refused late (its booking held: Booking().OK is true),
+// and a booked job that did not run (its booking forgone, held the same
+// way: see reserve's Reservation.Forgo). A
 // job that ran on top of such a booking of its own slot (see
 // Cancellation in the package doc) traded bookings with it: its Reservation is the refusal's booking if
 // the trade was made as it started, its own if made after.
@@ -101,7 +104,7 @@ func (j *Job) Reservation() *reserve.Reservation {
 // its Reservation's SlotAt, which counts from the reply that booked it.
 func (j *Job) Slot() time.Time {
 	<-j.done
-	if j.res == nil || !j.res.OK() {
+	if j.res == nil || !j.res.OK() && !j.forgone {
 		return time.Time{}
 	}
 	return j.act

@@ -9,6 +9,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/lease"
 	"github.com/slotbook/slotbook/pool"
 	"github.com/slotbook/slotbook/throttle"
@@ -23,7 +24,12 @@ func newTradePool(t *testing.T, r *fgRig, n int) *pool.Pool {
 	t.Helper()
 	opts := []pool.Option{pool.WithWorkers(16)}
 	if n > 0 {
-		sem, err := lease.New(r.probe, r.name+"lease", n, lease.WithTTL(time.Minute))
+		// Straight to Redis, with room for a busy machine (r.probe has
+		// the default 50 ms timeout).
+		eng, err := throttle.New(redistest.Shared(t).Client(t), throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(5*time.Second))
+		require.NoError(t, err)
+		require.NoError(t, eng.Load(context.Background()))
+		sem, err := lease.New(eng, r.name+"lease", n, lease.WithTTL(time.Minute))
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = sem.Close(context.Background()) })
 		opts = append(opts, pool.WithLease(sem))

@@ -1054,6 +1054,30 @@ func (r *Reservation) Claim() *Reservation {
 	return &Reservation{lim: r.lim, key: r.key, booking: r.booking, act: r.act, late: r.late}
 }
 
+// Forgo is for a holder that has not acted in r's slot and never will (a
+// pool whose job ended before it started): it returns a Reservation that
+// holds r's booking as a late refusal held for its caller does (not OK,
+// its Err err; its Booking().OK is true): no one acts on it, so its Cancel
+// gives the booking back even once its slot has come, and Claim or Trade
+// hands it on. r then holds nothing: its Cancel does nothing. Forgo
+// returns nil for a nil err, a view, a refusal, an answer of the fallback,
+// and a Reservation cancelled or claimed from, even by a Cancel that
+// failed.
+// Forgoing a booking someone acted on lets a request through early: only
+// the code that hands out the slot can know that no one did.
+func (r *Reservation) Forgo(err error) *Reservation {
+	if err == nil || r.view || !r.OK() || r.fallback || r.booking == nil || !r.booking.OK {
+		return nil
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.canceled || r.tried {
+		return nil
+	}
+	r.canceled = true
+	return &Reservation{lim: r.lim, key: r.key, booking: r.booking, act: r.act, err: err, held: true, late: r.late}
+}
+
 // Trade is Claim for the holder of own, an OK Reservation of the same
 // Limiter and key whose booking has the same slot as r's (Booking().At)
 // and number of units, and stands on it (r's Booking().Before own's:

@@ -129,3 +129,50 @@ func TestBatchHoldLateTrade(t *testing.T) {
 		require.NotNil(t, late.Claim(), "unchanged: still claimable")
 	}
 }
+
+// TestReservationForgo: a booking whose slot has come gives nothing back
+// by Cancel (its holder may have acted: the control, same run, whose next
+// booking waits an interval). Its holder, knowing no one acted on it,
+// forgoes it: the Reservation Forgo returns is refused with the error
+// given and holds the booking, whose Cancel gives it back though its slot
+// has come: the next booking is immediate (Wait 0, Redis clock). r then
+// holds nothing. Forgo of a view, a refusal, one cancelled, or with a nil
+// error is nil.
+func TestReservationForgo(t *testing.T) {
+	t.Parallel()
+	eng, _, calls := latencyEngine(t)
+	l, err := reserve.New(eng, "forgo", throttle.PerSecond(2, 0), reserve.WithMaxWait(0)) // 500 ms apart
+	require.NoError(t, err)
+	ctx := context.Background()
+	for _, forgo := range []bool{false, true} {
+		key := fmt.Sprintf("k-%v", forgo)
+		r, err := l.Reserve(ctx, key)
+		require.NoError(t, err)
+		require.True(t, r.OK())
+		require.NoError(t, r.Wait(ctx)) // immediate: its slot has come
+		if !forgo {
+			require.NoError(t, r.Cancel(ctx))
+			next, err := l.Reserve(ctx, key)
+			require.NoError(t, err)
+			require.False(t, next.OK(), "control: the slot came, Cancel gave nothing back")
+			continue
+		}
+		require.Nil(t, r.Forgo(nil), "a nil error")
+		require.Nil(t, r.View().Forgo(context.Canceled), "a view")
+		f := r.Forgo(context.Canceled)
+		require.NotNil(t, f)
+		require.False(t, f.OK())
+		require.ErrorIs(t, f.Err(), context.Canceled)
+		require.Equal(t, r.Booking(), f.Booking(), "holds r's booking")
+		require.Nil(t, r.Forgo(context.Canceled), "forgone twice")
+		before := calls.Load()
+		require.NoError(t, r.Cancel(ctx))
+		require.Equal(t, before, calls.Load(), "r holds nothing: no call")
+		require.NoError(t, f.Cancel(ctx))
+		require.Nil(t, f.Forgo(context.Canceled), "a refusal")
+		next, err := l.Reserve(ctx, key)
+		require.NoError(t, err)
+		require.True(t, next.OK(), "the forgone booking's room came back: %v", next.Err())
+		require.Zero(t, next.Booking().Wait)
+	}
+}
