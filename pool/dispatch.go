@@ -237,11 +237,8 @@ func (p *Pool) handDownLocked(now time.Time) {
 			}
 			j := s.j
 			res := to.res
-			if s.owed >= 0 && res.OK() {
-				// A wanted job's own booking, which it never acted on.
-				if f := res.Forgo(endErr(j)); f != nil {
-					res = f
-				}
+			if s.owed >= 0 {
+				res, _ = forgo(res, endErr(j)) // a wanted job's own booking, which it never acted on
 			}
 			switch {
 			case s.owed >= 0:
@@ -250,7 +247,7 @@ func (p *Pool) handDownLocked(now time.Time) {
 					// another's now.
 					p.moveLocked(j, done, j.err)
 				}
-				j = &Job{key: j.key, ctx: j.ctx, state: done, index: -1} // one of no job's
+				j = noOnes(j)
 				p.owed[s.owed] = j
 			case !s.wanted && !res.OK():
 				// A cancelled job left a late refusal's booking to give
@@ -259,7 +256,7 @@ func (p *Pool) handDownLocked(now time.Time) {
 				// is owed by no job's.
 				p.moveLocked(j, refunding, endErr(j))
 				p.moveLocked(j, done, j.err)
-				j = &Job{key: j.key, ctx: j.ctx, state: done, index: -1}
+				j = noOnes(j)
 				p.owed = append(p.owed, j)
 			}
 			if s.wanted && !res.OK() {
@@ -321,9 +318,26 @@ func handedStart(at, act, ownAt, ownAct time.Time) time.Time {
 // come, the job's context may end before the dispatcher starts it.) p.mu
 // is held.
 func (p *Pool) forgoLocked(j *Job) {
-	if f := j.res.Forgo(endErr(j)); f != nil {
+	if f, ok := forgo(j.res, endErr(j)); ok {
 		j.res, j.forgone = f, true
 	}
+}
+
+// forgo returns res forgone (reserve's Reservation.Forgo) with err, and
+// true, or res itself, and false, where it cannot be (not OK: held
+// already; or a fallback's answer).
+func forgo(res *reserve.Reservation, err error) (*reserve.Reservation, bool) {
+	if f := res.Forgo(err); f != nil {
+		return f, true
+	}
+	return res, false
+}
+
+// noOnes returns a Job that holds no job's booking (the caller sets it) of
+// j's key, done: an owed booking whose job is done or another's now, or a
+// record in stood. Its context gives the give-back its values.
+func noOnes(j *Job) *Job {
+	return &Job{key: j.key, ctx: j.ctx, state: done, index: -1}
 }
 
 // lapsed reports whether the units of j's booking no longer stand in front
@@ -434,7 +448,9 @@ func (p *Pool) startDueLocked(now time.Time) {
 		p.forgetUnderLocked(j)
 		if len(p.aloft[j.key]) > 0 && j.res.Booking().OK {
 			// A late refusal of a call in flight may yet land under it.
-			p.stood[j.key] = append(p.stood[j.key], &Job{key: j.key, ctx: j.ctx, state: done, index: -1, res: j.res, at: j.at, act: j.act, seq: j.seq, flight: p.sent})
+			s := noOnes(j)
+			s.res, s.at, s.act, s.seq, s.flight = j.res, j.at, j.act, j.seq, p.sent
+			p.stood[j.key] = append(p.stood[j.key], s)
 		}
 	}
 }
@@ -455,7 +471,9 @@ func (p *Pool) tradeLocked(o, s *Job) bool {
 	if o.state == refunding {
 		p.moveLocked(o, done, o.err) // refused late: done with its refusal
 	}
-	p.owed[i] = &Job{key: s.key, ctx: s.ctx, state: done, index: -1, res: spare, at: s.at, act: s.act, seq: s.seq} // one of no job's
+	sp := noOnes(s)
+	sp.res, sp.at, sp.act, sp.seq = spare, s.at, s.act, s.seq
+	p.owed[i] = sp
 	s.res, s.seq = claimed, o.seq
 	return true
 }

@@ -1051,7 +1051,15 @@ func (r *Reservation) Claim() *Reservation {
 		return nil
 	}
 	r.canceled = true // the booking is the claimant's to give back
-	return &Reservation{lim: r.lim, key: r.key, booking: r.booking, act: r.act, late: r.late}
+	return r.handed(nil)
+}
+
+// handed returns a Reservation that holds r's booking, r's slot and place
+// in its batch: OK if err is nil (Claim's), else refused with err and
+// held, as a late refusal held for its caller is (Forgo's, Trade's
+// spare). Its caller has marked r as holding nothing.
+func (r *Reservation) handed(err error) *Reservation {
+	return &Reservation{lim: r.lim, key: r.key, booking: r.booking, act: r.act, err: err, held: err != nil, late: r.late}
 }
 
 // Forgo is for a holder that has not acted in r's slot and never will (a
@@ -1075,7 +1083,7 @@ func (r *Reservation) Forgo(err error) *Reservation {
 		return nil
 	}
 	r.canceled = true
-	return &Reservation{lim: r.lim, key: r.key, booking: r.booking, act: r.act, err: err, held: true, late: r.late}
+	return r.handed(err)
 }
 
 // Trade is Claim for the holder of own, an OK Reservation of the same
@@ -1115,9 +1123,7 @@ func (r *Reservation) Trade(own *Reservation) (claimed, spare *Reservation) {
 		return nil, nil
 	}
 	r.canceled, own.canceled = true, true
-	claimed = &Reservation{lim: r.lim, key: r.key, booking: r.booking, act: r.act, late: r.late}
-	spare = &Reservation{lim: own.lim, key: own.key, booking: own.booking, act: own.act, err: r.err, held: true, late: own.late}
-	return claimed, spare
+	return r.handed(nil), own.handed(r.err)
 }
 
 // lateLinks ties a Reservation to the late bookings of its batch (see

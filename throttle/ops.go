@@ -227,7 +227,7 @@ func (e *Engine) BookAll(ctx context.Context, keys []string, limits []Limit, req
 }
 
 // giveBackEnded gives back bs, booked in one call for a caller that has
-// gone, in one refund (RefundUnused) within a second of its own. The
+// gone, in one refund (RefundUnusedRun) within a second of its own. The
 // bookings of a call stand end to end on each key (each booked from where
 // the one before it left the key), so together they are one booking, from
 // the first's start to the last's end: refund.lua gives it back while
