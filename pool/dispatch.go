@@ -49,6 +49,7 @@ func (p *Pool) dispatch() {
 		if p.closed {
 			quit = nil
 		}
+		p.stopped = stopped
 		if len(refunds) == 0 {
 			key, batch, wakeAt = p.takeBatchLocked(now)
 		}
@@ -130,7 +131,7 @@ func (p *Pool) takeRefundsLocked(now time.Time) []*Job {
 		return false
 	})
 	p.handDownLocked(now)
-	give, owe := refundable(p.slots, p.owed, p.closed, func(key string) bool { return p.flying[key] > 0 || p.giving[key] > 0 })
+	give, owe := refundable(p.slots, p.callers, p.owed, p.closed, func(key string) bool { return p.flying[key] > 0 || p.giving[key] > 0 })
 	defer p.gave.Broadcast() // lease goroutines waiting on owed bookings look again
 	p.owed = slices.DeleteFunc(p.owed, func(j *Job) bool { return slices.Contains(give, j) })
 	for _, j := range give {
@@ -369,13 +370,15 @@ func endErr(j *Job) error {
 // refundable sorts out the bookings that will not be used: those of the
 // booked jobs (slots) whose context has ended (all of them, once the pool is
 // closed) and those owed. give are the ones to give back now, the latest
-// first; owe, the booked ones to keep owing.
+// first; owe, the booked ones to keep owing. callers are the records of
+// Acquire callers' bookings (see Pool.acquireSlot): wanted, even once the
+// pool is closed, and never given back here.
 //
 // A booking gives its room back only while no later booking stands on its
 // key. So for each key, going from its latest booking back (by slot on the
 // Redis clock, which a later booking of a key never has earlier, then by
 // order of booking), give takes bookings until one that is still wanted
-// (a job whose context has not ended); that one and every booking before
+// (a job whose context has not ended, or a caller's); that one and every booking before
 // it stay: the unwanted among them are owed (owe), to be given back once
 // everything after them is. A busy key (a booking call in flight, which
 // may book after them; or bookings being given back, which must reach
@@ -385,11 +388,11 @@ func endErr(j *Job) error {
 // at a later look, after it. Taking an earlier booking while a later one
 // stands would give nothing back (and leave the earlier one's tombstone,
 // so it never could), and nor would any booked before it.
-func refundable(slots, owed []*Job, closed bool, busy func(key string) bool) (give, owe []*Job) {
+func refundable(slots, callers, owed []*Job, closed bool, busy func(key string) bool) (give, owe []*Job) {
 	if !closed && len(owed) == 0 && !slices.ContainsFunc(slots, func(j *Job) bool { return j.ctx.Err() != nil }) {
 		return nil, nil // the common case: nothing to give back, nothing sorted
 	}
-	js := append(slices.Clone(slots), owed...)
+	js := slices.Concat(slots, callers, owed)
 	// By key, the latest booking first.
 	slices.SortFunc(js, func(a, b *Job) int { return cmp.Or(cmp.Compare(a.key, b.key), byBooking(b, a)) })
 	wanted := false // a booking of this key, later than j, is still wanted
@@ -398,7 +401,7 @@ func refundable(slots, owed []*Job, closed bool, busy func(key string) bool) (gi
 			wanted = busy(j.key)
 		}
 		switch {
-		case j.state == booked && !closed && j.ctx.Err() == nil:
+		case j.caller || j.state == booked && !closed && j.ctx.Err() == nil:
 			wanted = true
 		case !wanted:
 			give = append(give, j)

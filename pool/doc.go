@@ -67,7 +67,12 @@
 //     booking, before or after the refusal's reply is in, trades bookings
 //     with it (reserve's Reservation.Trade), and its own, the later, goes
 //     back instead. Job.Reservation hands out a view: a caller's Cancel of
-//     it cannot get in the way.
+//     it cannot get in the way. The pool sees its Acquire callers'
+//     bookings as it sees its jobs': while a caller's call is out or it
+//     sleeps until its slot, no booking of its key that the caller's may
+//     stand on is given back; once it acts, a held booking of its slot
+//     under it trades with it; and a caller whose context ends while it
+//     sleeps forgoes its booking, owed like a cancelled job's.
 //   - Failures. A batch whose Redis call fails ends its jobs with the error
 //     (a lost reply may have booked; nothing is given back for it).
 //   - Panics. A job's panic becomes its error, a *PanicError with the panic

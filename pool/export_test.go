@@ -48,3 +48,21 @@ func Stood(p *Pool) (records, keysAloft int) {
 	}
 	return records, len(p.aloft)
 }
+
+// Booked returns how many jobs of p are booked (waiting for their slot).
+func Booked(p *Pool) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.slots)
+}
+
+// Owing returns how many bookings p still owes or is giving back.
+func Owing(p *Pool) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := len(p.owed)
+	for _, g := range p.giving {
+		n += g
+	}
+	return n
+}

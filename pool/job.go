@@ -30,6 +30,7 @@ type Job struct {
 	seq     uint64        // order of its booking among the pool's, once booked
 	flight  uint64        // with WithLease: the number of its booking call; for a record in stood, the calls sent before its job started
 	forgone bool          // booked, then its booking forgone as it will not run (see forgoLocked)
+	caller  bool          // a record of an Acquire caller's booking, while the caller waits for its slot (see Pool.callers)
 	at      time.Time     // once booked: its slot on the Redis clock (Booking().At)
 	act     time.Time     // once booked: the local time its slot comes (for a late refusal, as reserve would have it)
 	res     *reserve.Reservation

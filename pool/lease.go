@@ -162,9 +162,11 @@ func (p *Pool) takeLease(ctx context.Context, key string) (release func(), err e
 // wanted one once slots were handed down.) p.mu is held.
 func (p *Pool) givableOwedLocked(key string) bool {
 	var top *Job // the key's latest wanted booking
-	for _, j := range p.slots {
-		if j.key == key && j.ctx.Err() == nil && (top == nil || byBooking(j, top) > 0) {
-			top = j
+	for _, js := range [][]*Job{p.slots, p.callers} {
+		for _, j := range js {
+			if j.key == key && (j.caller || j.ctx.Err() == nil) && (top == nil || byBooking(j, top) > 0) {
+				top = j
+			}
 		}
 	}
 	return slices.ContainsFunc(p.owed, func(j *Job) bool { return j.key == key && (top == nil || byBooking(j, top) > 0) })

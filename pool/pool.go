@@ -5,7 +5,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
+	"time"
 
 	"github.com/slotbook/slotbook/lease"
 	"github.com/slotbook/slotbook/reserve"
@@ -42,8 +44,9 @@ type Pool struct {
 	turns      list.List            // of *keyQueue: the same keys, in turn
 	slots      jobHeap              // booked jobs, earliest slot first
 	owed       []*Job               // jobs whose booking is still to give back: done, or refused late and refunding (see takeRefundsLocked)
-	flying     map[string]int       // keys with booking calls in flight: how many (see book)
-	stood      map[string][]*Job    // with WithLease: the bookings a key's started jobs stand on, while a call sent before they started flies (see tradeUnderLocked)
+	flying     map[string]int       // keys with booking calls in flight, the pool's and its Acquire callers': how many (see book)
+	stood      map[string][]*Job    // with WithLease: the bookings a key's started jobs (and Acquire callers that acted) stand on, while a call sent before they started flies (see tradeUnderLocked)
+	callers    []*Job               // records of the bookings of Acquire callers waiting for their slot: wanted, never given back by the pool (see Acquire)
 	aloft      map[string][]uint64  // with WithLease: the numbers of each key's booking calls in flight, in order
 	sent       uint64               // with WithLease: booking calls sent so far, which number them
 	giving     map[string]int       // keys with bookings being given back: how many (see giveBack)
@@ -55,6 +58,7 @@ type Pool struct {
 	idle       chan struct{}        // closed while pending is 0
 	bookings   uint64               // bookings made so far, to give back the latest first
 	closed     bool
+	stopped    bool // the dispatcher has returned: it gives nothing more back
 
 	afterReply func(ctx context.Context) // tests: called in book for each job's context once the reply is in
 }
@@ -164,7 +168,11 @@ func (p *Pool) Wait(ctx context.Context) error {
 //
 // Callers waiting for a worker get the next one given back, before the
 // backlog. A refusal (the slot would pass ctx's deadline or the limiter's
-// max wait) returns at once with the limiter's error, holding nothing.
+// max wait) returns at once with the limiter's error, holding nothing. If
+// ctx ends while Acquire sleeps until the slot, Acquire returns ctx's
+// error at once, and the pool gives the booking back, after any later
+// booking of the key that will not be used (see Cancellation in the
+// package doc).
 // Acquire returns ErrClosed once the pool is closed, also to a caller still
 // waiting for a worker. Calling release more than once does nothing more.
 func (p *Pool) Acquire(ctx context.Context, key string) (release func(), err error) {
@@ -187,12 +195,86 @@ func (p *Pool) Acquire(ctx context.Context, key string) (release func(), err err
 		p.putWorkerLocked()
 		p.mu.Unlock()
 	}
-	if err := p.lim.Acquire(ctx, key); err != nil {
+	if err := p.acquireSlot(ctx, key); err != nil {
 		giveBack()
 		return nil, err
 	}
 	var once sync.Once
 	return func() { once.Do(giveBack) }, nil
+}
+
+// acquireSlot books a slot of key for an Acquire caller and sleeps until
+// it, as the limiter's Acquire does, but with the pool in sight of the
+// booking, as of a job's: while the call is out the key is busy (flying),
+// and while the caller sleeps its booking is wanted (callers), so the
+// pool gives back no booking of the key that the caller's may stand on
+// (it would give nothing). Once the caller acts, the owed bookings under
+// its booking are forgotten, a late refusal's of the same slot traded
+// with it, as for a started job (see forgetUnderLocked and
+// tradeUnderLocked). A caller whose ctx ends while it sleeps has not
+// acted: its booking is forgone and owed, for the dispatcher to give back
+// in order with the others of its key; or, once the dispatcher has
+// returned, given back here.
+func (p *Pool) acquireSlot(ctx context.Context, key string) error {
+	p.mu.Lock()
+	p.flying[key]++
+	p.mu.Unlock()
+	r, err := p.lim.Reserve(ctx, key)
+	p.mu.Lock()
+	if p.flying[key]--; p.flying[key] == 0 {
+		delete(p.flying, key)
+	}
+	var rec *Job
+	if err == nil && r.Booking().OK && !r.Fallback() {
+		rec = &Job{key: key, ctx: ctx, state: done, index: -1, caller: true, res: r, at: r.Booking().At, act: r.SlotAt(), seq: p.bookings}
+		p.bookings++
+		p.callers = append(p.callers, rec)
+	}
+	p.mu.Unlock()
+	p.nudge() // the key is no longer busy with the call
+	if err != nil {
+		return err
+	}
+	if rec == nil {
+		return r.Wait(ctx) // the fallback's answer: no slot of the shared limit
+	}
+	t := time.NewTimer(r.Delay())
+	defer t.Stop()
+	acted := false
+	select {
+	case <-t.C:
+		acted = true
+	case <-ctx.Done():
+	}
+	p.mu.Lock()
+	p.callers = slices.DeleteFunc(p.callers, func(j *Job) bool { return j == rec })
+	if !acted {
+		err := ctx.Err()
+		f, ok := forgo(r, err) // no one acted on it
+		stopped := p.stopped
+		if ok && !stopped {
+			rec.res, rec.caller = f, false
+			p.owed = append(p.owed, rec)
+		}
+		p.mu.Unlock()
+		p.nudge()
+		if ok && stopped {
+			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+			_ = f.Cancel(cctx)
+			cancel()
+		}
+		return err
+	}
+	rec.caller = false
+	p.forgetUnderLocked(rec)
+	if len(p.aloft[key]) > 0 && rec.res.Booking().OK {
+		// A late refusal of a call in flight may yet land under it.
+		rec.flight = p.sent
+		p.stood[key] = append(p.stood[key], rec)
+	}
+	p.mu.Unlock()
+	p.nudge()
+	return nil
 }
 
 // acquireWorker takes a worker for an Acquire caller, waiting for one if

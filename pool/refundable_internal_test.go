@@ -91,7 +91,7 @@ func TestRefundableTakesTheLatestBookings(t *testing.T) {
 				for _, seq := range order {
 					js = append(js, &Job{ctx: ctx, seq: seq, key: "k", state: booked})
 				}
-				give, owe := refundable(js, nil, false, notBusy)
+				give, owe := refundable(js, nil, nil, false, notBusy)
 				requireLatestFirst(t, js, give, owe)
 			})
 		}
@@ -121,7 +121,7 @@ func TestRefundableChildContexts(t *testing.T) {
 		slots := slices.Clone(js)
 		for _, i := range rng.Perm(n) { // the children end one by one
 			*ctxs[i] = ended{Context: context.Background(), yes: true}
-			give, owe := refundable(slots, owed, false, notBusy)
+			give, owe := refundable(slots, nil, owed, false, notBusy)
 			for k := range keys {
 				key := fmt.Sprint("k", k)
 				in := func(j *Job) bool { return j.key == key }
@@ -173,7 +173,7 @@ func TestRefundableOrdersByRedisSlot(t *testing.T) {
 	early := &Job{ctx: context.Background(), key: "k", state: booked, seq: 2, at: base}
 	later := &Job{ctx: context.Background(), key: "k", state: booked, seq: 1, at: base.Add(10 * time.Second)}
 	other := &Job{ctx: context.Background(), key: "j", state: booked, seq: 3, at: base.Add(5 * time.Second)}
-	give, owe := refundable([]*Job{early, later, other}, nil, true, notBusy)
+	give, owe := refundable([]*Job{early, later, other}, nil, nil, true, notBusy)
 	require.Empty(t, owe)
 	require.Equal(t, []*Job{later, other, early}, give)
 }

@@ -231,3 +231,80 @@ func TestBatchLateRefusalUnderJobOfSameSlot(t *testing.T) {
 	}
 	require.Positive(t, met, "no trial met the premise")
 }
+
+// TestLeaseLateRefusalUnderAcquireOfSameSlot: TestLeaseLateRefusalUnderJobOfSameSlot
+// with an Acquire caller of the pool in R's place: with WithLease its
+// booking merges with a job's, and within a burst both get the same
+// slot. L, the job, is refused late (held); A, the caller, acts at once.
+// Textbook GCRA: only X and A acted, on a key with room for two at once
+// (X's key is another), so a booking made straight in Redis right after
+// finds room at once. Both orders in Redis are tried, and L's reply
+// looked at before A acts and after. Before, L's room was lost whenever L
+// lay under A: the pool held no record of A's booking to trade with, and
+// gave L's held booking back, for nothing, while A's stood on it.
+func TestLeaseLateRefusalUnderAcquireOfSameSlot(t *testing.T) {
+	t.Parallel()
+	lim := throttle.PerMinute(6, 1) // I = 10 s, room for two at once
+	r := newFGRig(t, "acqtrade", lim, throttle.WithMergeAt(1))
+	p := newTradePool(t, r, 64)
+	const D = 400 * time.Millisecond
+	var held = make(chan struct{}) // closed once A has acted, per trial
+	pool.SetAfterReply(p, func(ctx context.Context) {
+		if ctx.Value(heldReplyKey{}) != nil {
+			<-held
+		}
+	})
+	r.proxy.SetReplyDelay(D)
+	bg := context.Background()
+	met := map[string]int{}
+	trial := 0
+	for _, holdL := range []bool{true, false} {
+		seen := map[bool]bool{}
+		for n := 0; n < 30 && !(seen[true] && seen[false]); n++ {
+			trial++
+			key := fmt.Sprintf("k%d", trial)
+			held = make(chan struct{})
+			x, err := p.Submit(bg, "x"+key, fgNop)
+			require.NoError(t, err)
+			time.Sleep(60 * time.Millisecond) // X's call in flight: the next bookings merge
+			lctx, lcancel := context.WithTimeout(bg, D-150*time.Millisecond)
+			if holdL {
+				lctx = context.WithValue(lctx, heldReplyKey{}, true)
+			}
+			var l *pool.Job
+			var release func()
+			var aerr error
+			var wg sync.WaitGroup
+			wg.Add(2)
+			go func() { defer wg.Done(); l, _ = p.Submit(lctx, key, fgNop) }()
+			go func() { defer wg.Done(); release, aerr = p.Acquire(bg, key) }()
+			wg.Wait()
+			require.NotNil(t, l)
+			require.NoError(t, aerr)
+			release()
+			close(held) // A has acted: L's reply, if held, is looked at now
+			wctx, wcancel := context.WithTimeout(bg, 20*time.Second)
+			_ = l.Wait(wctx)
+			require.NoError(t, x.Wait(wctx))
+			require.NoError(t, p.Wait(wctx))
+			wcancel()
+			lcancel()
+			time.Sleep(2*D + 200*time.Millisecond) // a give-back's reply is in
+
+			if !hoLate(l) {
+				t.Logf("trial %d: premise not met (L late %v, L err %v)", trial, hoLate(l), l.Err())
+				continue
+			}
+			// L under A: L's booking was the first on the empty key, so
+			// its units stand one interval past its slot (two, over A).
+			lb := l.Reservation().Booking()
+			under := lb.End().Sub(lb.At) < lim.Interval()*3/2
+			pb := r.probeBook(t, key)
+			seen[under] = true
+			met[fmt.Sprintf("L under A %v, L's reply last %v", under, holdL)]++
+			require.Zero(t, pb.Wait, "trial %d (L under A: %v; L's reply looked at last: %v): L's held room did not come back", trial, under, holdL)
+		}
+		require.True(t, seen[true], "L's reply last %v: no trial booked L under A", holdL)
+	}
+	t.Logf("cases met: %v", met)
+}
