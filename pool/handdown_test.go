@@ -37,7 +37,7 @@ func newHandDownRig(t *testing.T, limit throttle.Limit, workers int) *handDownRi
 	require.NoError(t, err)
 	lim, err := reserve.New(eng, "hd", limit, reserve.WithMaxWait(time.Minute))
 	require.NoError(t, err)
-	probe, err := throttle.New(srv.Client(t), throttle.WithPrefix(prefix))
+	probe, err := throttle.New(srv.Client(t), throttle.WithPrefix(prefix), throttle.WithTimeout(10*time.Second)) // leases and probes ride it: no 50 ms timeout on a busy machine
 	require.NoError(t, err)
 	// A warm connection through the proxy, so that no call dials.
 	require.NoError(t, eng.Client().(*redis.Client).Ping(context.Background()).Err())

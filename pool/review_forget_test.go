@@ -40,7 +40,7 @@ func newFGRig(t *testing.T, name string, limit throttle.Limit, engOpts ...thrott
 	require.NoError(t, err)
 	lim, err := reserve.New(eng, name, limit, reserve.WithMaxWait(time.Minute))
 	require.NoError(t, err)
-	probe, err := throttle.New(srv.Client(t), throttle.WithPrefix(prefix))
+	probe, err := throttle.New(srv.Client(t), throttle.WithPrefix(prefix), throttle.WithTimeout(10*time.Second)) // leases and probes ride it: no 50 ms timeout on a busy machine
 	require.NoError(t, err)
 	bg := context.Background()
 	require.NoError(t, eng.Client().(*redis.Client).Ping(bg).Err())

@@ -71,7 +71,7 @@ func newHDRigTimeout(t *testing.T, srv *redistest.Server, timeout time.Duration,
 	opts = append([]reserve.Option{reserve.WithMaxWait(time.Minute)}, opts...)
 	lim, err := reserve.New(eng, "hdr", limit, opts...)
 	require.NoError(t, err)
-	probe, err := throttle.New(srv.Client(t), throttle.WithPrefix(prefix))
+	probe, err := throttle.New(srv.Client(t), throttle.WithPrefix(prefix), throttle.WithTimeout(10*time.Second)) // leases and probes ride it: no 50 ms timeout on a busy machine
 	require.NoError(t, err)
 	// Warm connections through the proxy (overlapping pings each take one),
 	// so that no booking dials (a dial's handshake would be held too).

@@ -65,7 +65,7 @@ func newLCRig(t *testing.T, limits []throttle.Limit, opts ...reserve.Option) *lc
 	}
 	lim, err := reserve.New(eng, lcName, limits[0], opts...)
 	require.NoError(t, err)
-	probe, err := throttle.New(srv.Client(t), throttle.WithPrefix(prefix))
+	probe, err := throttle.New(srv.Client(t), throttle.WithPrefix(prefix), throttle.WithTimeout(10*time.Second)) // leases and probes ride it: no 50 ms timeout on a busy machine
 	require.NoError(t, err)
 	bg := context.Background()
 	require.NoError(t, eng.Client().(*redis.Client).Ping(bg).Err()) // a warm connection
