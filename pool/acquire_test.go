@@ -2,6 +2,7 @@ package pool_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -57,13 +58,17 @@ func TestAcquireCancelledWhileSleeping(t *testing.T) {
 			}
 			if tc.close {
 				cctx, ccancel := context.WithTimeout(bg, 5*time.Second)
-				require.NoError(t, p.Close(cctx), "Close waits for no sleeping Acquire caller")
+				require.NoError(t, p.Close(cctx), "Close ends sleeping Acquire callers")
 				ccancel()
 			}
 			acancel()
 			select {
 			case err := <-aerr:
-				require.ErrorIs(t, err, context.Canceled)
+				if tc.close {
+					require.ErrorIs(t, err, pool.ErrClosed, "Close ends a sleeping caller")
+				} else {
+					require.ErrorIs(t, err, context.Canceled)
+				}
 			case <-time.After(5 * time.Second):
 				t.Fatal("Acquire did not return once its context ended")
 			}
@@ -78,6 +83,55 @@ func TestAcquireCancelledWhileSleeping(t *testing.T) {
 			require.Eventually(t, func() bool { return pool.Owing(p) == 0 }, 5*time.Second, 5*time.Millisecond, "give-backs done")
 			pb := r.probeBook(t, key)
 			require.LessOrEqual(t, pb.Wait, lim.Interval(), "the cancelled caller's room did not come back")
+		})
+	}
+}
+
+// TestAcquireHandedDown: a job booked before an Acquire caller and
+// cancelled before its slot leaves its slot under the caller's booking.
+// As for a job of the key, the slot is handed down: the caller acts in it,
+// and its own, the later, goes back. Textbook GCRA: P (a probe straight to
+// Redis) and the caller acted, one interval apart at most, on a key with
+// room for one at once, so a probe after them books two intervals after P
+// on the Redis clock. Before, the job's booking was left owed under the
+// caller's, forgotten when the caller acted: the probe booked three
+// intervals after P.
+func TestAcquireHandedDown(t *testing.T) {
+	t.Parallel()
+	lim := throttle.PerMinute(30, 0) // I = 2 s
+	for _, lease := range []int{0, 8} {
+		t.Run(fmt.Sprintf("leases %d", lease), func(t *testing.T) {
+			t.Parallel()
+			r := newFGRig(t, "acqhand", lim)
+			p := newTradePool(t, r, lease)
+			bg := context.Background()
+			key := "k"
+			p0 := r.probeBook(t, key) // acts at once
+			jctx, jcancel := context.WithCancel(bg)
+			defer jcancel()
+			j, err := p.Submit(jctx, key, fgNop) // booked one interval on
+			require.NoError(t, err)
+			require.Eventually(t, func() bool { return pool.Booked(p) == 1 }, 5*time.Second, time.Millisecond)
+			aerr := make(chan error, 1)
+			go func() {
+				release, err := p.Acquire(bg, key) // booked two intervals on
+				if err == nil {
+					release()
+				}
+				aerr <- err
+			}()
+			require.Eventually(t, func() bool { return pool.Callers(p) == 1 }, 5*time.Second, time.Millisecond)
+			jcancel()
+			require.ErrorIs(t, j.Wait(bg), context.Canceled)
+			select {
+			case err := <-aerr:
+				require.NoError(t, err)
+			case <-time.After(10 * time.Second):
+				t.Fatal("Acquire did not return")
+			}
+			require.Eventually(t, func() bool { return pool.Owing(p) == 0 }, 5*time.Second, 5*time.Millisecond, "give-backs done")
+			pb := r.probeBook(t, key)
+			require.Equal(t, 2*lim.Interval(), pb.At.Sub(p0.At), "the cancelled job's slot was not handed down to the caller")
 		})
 	}
 }

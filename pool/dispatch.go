@@ -41,7 +41,7 @@ func (p *Pool) dispatch() {
 			// Closed, every booking taken (see takeRefundsLocked), no
 			// booking call in flight (one that lands is given back) and
 			// no give-back under way.
-			stopped = p.closed && len(refunds) == 0 && len(p.flying) == 0 && len(p.giving) == 0
+			stopped = p.closed && len(refunds) == 0 && len(p.flying) == 0 && len(p.giving) == 0 && len(p.callers) == 0
 			// Once closed, quit is always ready: wait for what wakes the
 			// dispatcher (a batch's answers) instead.
 			quit = p.quit
@@ -54,7 +54,7 @@ func (p *Pool) dispatch() {
 			key, batch, wakeAt = p.takeBatchLocked(now)
 		}
 		if len(batch) > 0 && p.sem == nil {
-			p.flying[key]++ // until book has the answers
+			p.sendingLocked(key, batch) // until book has the answers
 		}
 		if len(p.slots) > 0 {
 			wakeAt = earliest(wakeAt, p.slots[0].act)
@@ -131,7 +131,9 @@ func (p *Pool) takeRefundsLocked(now time.Time) []*Job {
 		return false
 	})
 	p.handDownLocked(now)
-	give, owe := refundable(p.slots, p.callers, p.owed, p.closed, func(key string) bool { return p.flying[key] > 0 || p.giving[key] > 0 })
+	give, owe := refundable(p.slots, p.callers, p.owed, p.closed, func(key string) bool {
+		return p.flying[key] > 0 || p.calling[key] > 0 || p.giving[key] > 0
+	})
 	defer p.gave.Broadcast() // lease goroutines waiting on owed bookings look again
 	p.owed = slices.DeleteFunc(p.owed, func(j *Job) bool { return slices.Contains(give, j) })
 	for _, j := range give {
@@ -154,17 +156,19 @@ func (p *Pool) takeRefundsLocked(now time.Time) []*Job {
 
 // handDownLocked hands the slots of a key that will not be used (those of
 // booked jobs whose context has ended, and owed bookings) down to the
-// key's later booked jobs that are still wanted, in their order, so that
-// the wanted jobs hold the key's earliest slots and the rest lie above
-// them, for refundable to give back in full once the key is not busy. A
-// slot left under a wanted booking would give nothing back and pass
-// unused once that one runs. Only slots that have not come change hands,
-// by the booking's own reply and by the receiving job's (a slot passed
-// unused is not run late; see handedStart for when a handed slot starts),
-// and only bookings made in Redis (see handable), a late refusal's held
-// booking among them (a wanted job handed one claims it): every slot a
-// job runs in was booked, for one unit (the pool's every request), by
-// this pool, for a job that did not run in it.
+// key's later booked jobs that are still wanted, and to Acquire callers
+// sleeping until their slot (callers, woken through moved), in their
+// order, so that the wanted ones hold the key's earliest slots and the
+// rest lie above them, for refundable to give back in full once the key
+// is not busy. A slot left under a wanted booking would give nothing back
+// and pass unused once that one runs. Only slots that have not come
+// change hands, by the booking's own reply and by the receiving job's (a
+// slot passed unused is not run late; see handedStart for when a handed
+// slot starts), and only bookings made in Redis (see handable), a late
+// refusal's held booking among them (a wanted job handed one claims it):
+// every slot a job runs in was booked, for one unit (the pool's every
+// request, and every Acquire caller's), by this pool, for a job or caller
+// that did not act in it.
 // An owed booking handed on is replaced by one that belongs to no job
 // (its job is done, or, refused late, done now; a done job's fields are
 // read without the lock). p.mu is held.
@@ -190,6 +194,11 @@ func (p *Pool) handDownLocked(now time.Time) {
 	for i, j := range p.owed {
 		if handable(j, now) {
 			byKey[j.key] = append(byKey[j.key], slot{j: j, owed: i, res: j.res, at: j.at, act: j.act, seq: j.seq})
+		}
+	}
+	for _, j := range p.callers { // wanted until the caller acts, or forgoes its booking
+		if handable(j, now) {
+			byKey[j.key] = append(byKey[j.key], slot{j: j, owed: -1, wanted: true, res: j.res, at: j.at, act: j.act, seq: j.seq})
 		}
 	}
 	moved := false
@@ -269,6 +278,12 @@ func (p *Pool) handDownLocked(now time.Time) {
 			j.res, j.at, j.act, j.seq = res, to.at, to.act, to.seq
 			if s.wanted {
 				j.act = handedStart(to.at, to.act, s.at, s.act)
+			}
+			if j.caller {
+				select { // it sleeps until the new slot
+				case j.moved <- struct{}{}:
+				default:
+				}
 			}
 			moved = true
 		}
@@ -497,7 +512,29 @@ func (p *Pool) tradeUnderLocked(o *Job) {
 	}
 }
 
-// landedLocked takes call n of key (WithLease) off the calls in flight,
+// sendingLocked counts a booking call of key for batch (a lease
+// goroutine's job alone, or a batch without leases) in flight, and
+// numbers it (flight), until landedLocked. p.mu is held.
+func (p *Pool) sendingLocked(key string, batch []*Job) {
+	p.flying[key]++
+	n := p.calledLocked(key)
+	for _, j := range batch {
+		j.flight = n
+	}
+}
+
+// calledLocked numbers a booking call of key, the pool's or an Acquire
+// caller's, and counts it aloft until landedLocked: records of the
+// bookings started on while it flies are kept (stood), for a late refusal
+// it brings back. p.mu is held.
+func (p *Pool) calledLocked(key string) uint64 {
+	n := p.sent
+	p.sent++
+	p.aloft[key] = append(p.aloft[key], n)
+	return n
+}
+
+// landedLocked takes call n of key off the calls in flight,
 // and drops the records of started jobs' bookings (stood) that no call
 // still in flight was sent before: a call sent after a job started is
 // booked in Redis after it, so nothing it books lies under the job's.
@@ -632,9 +669,7 @@ func (p *Pool) book(key string, batch []*Job) {
 	if p.flying[key]--; p.flying[key] == 0 {
 		delete(p.flying, key)
 	}
-	if p.sem != nil {
-		defer p.landedLocked(key, batch[0].flight) // once its answer has been looked at
-	}
+	defer p.landedLocked(key, batch[0].flight) // once its answer has been looked at
 	var retryAt time.Time
 	// Backwards, so that jobs going back to the front of the backlog keep
 	// their order.

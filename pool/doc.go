@@ -68,11 +68,16 @@
 //     with it (reserve's Reservation.Trade), and its own, the later, goes
 //     back instead. Job.Reservation hands out a view: a caller's Cancel of
 //     it cannot get in the way. The pool sees its Acquire callers'
-//     bookings as it sees its jobs': while a caller's call is out or it
-//     sleeps until its slot, no booking of its key that the caller's may
-//     stand on is given back; once it acts, a held booking of its slot
-//     under it trades with it; and a caller whose context ends while it
-//     sleeps forgoes its booking, owed like a cancelled job's.
+//     bookings as it sees its jobs': a caller books alone (HoldLate, as a
+//     job with WithLease does) once the pool's give-backs of its key are
+//     in; while its call is out or it sleeps until its slot, no booking of
+//     its key that the caller's may stand on is given back, and a slot
+//     under it that will not be used is handed down to it (it acts
+//     earlier); once it acts, a held booking of its slot under it trades
+//     with it; and a booking of a caller that will not act (its context
+//     ended while the call was out or while it slept, the reply too late
+//     for its deadline, or the pool closed) is owed like a cancelled
+//     job's.
 //   - Failures. A batch whose Redis call fails ends its jobs with the error
 //     (a lost reply may have booked; nothing is given back for it).
 //   - Panics. A job's panic becomes its error, a *PanicError with the panic
@@ -81,8 +86,10 @@
 //     pool goes on.
 //   - Close. No more jobs are accepted, queued jobs end with ErrClosed,
 //     bookings not started are given back (their jobs end with ErrClosed),
-//     Acquire callers still waiting for a worker get ErrClosed, and Close
-//     waits for running jobs and for every goroutine the pool started.
+//     Acquire callers still waiting for a worker or sleeping until their
+//     slot get ErrClosed, and Close waits for running jobs, for the
+//     pool's booking calls in flight, and for every goroutine the pool
+//     started.
 //
 // Inside, every job is in one of six states (queued, booking, booked,
 // running, refunding, done), and one function moves a job from one to the

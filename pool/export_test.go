@@ -66,3 +66,10 @@ func Owing(p *Pool) int {
 	}
 	return n
 }
+
+// Callers returns how many Acquire callers of p sleep until their slot.
+func Callers(p *Pool) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.callers)
+}

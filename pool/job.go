@@ -28,9 +28,10 @@ type Job struct {
 	elem    *list.Element // in its key's backlog, while queued
 	index   int           // in the pool's slots heap, while booked
 	seq     uint64        // order of its booking among the pool's, once booked
-	flight  uint64        // with WithLease: the number of its booking call; for a record in stood, the calls sent before its job started
+	flight  uint64        // the number of its booking call (see calledLocked); for a record in stood, the calls sent before its job started
 	forgone bool          // booked, then its booking forgone as it will not run (see forgoLocked)
 	caller  bool          // a record of an Acquire caller's booking, while the caller waits for its slot (see Pool.callers)
+	moved   chan struct{} // a caller's record: signalled when the pool hands it another booking (cap 1)
 	at      time.Time     // once booked: its slot on the Redis clock (Booking().At)
 	act     time.Time     // once booked: the local time its slot comes (for a late refusal, as reserve would have it)
 	res     *reserve.Reservation

@@ -79,10 +79,7 @@ func (p *Pool) leaseAndBook(key string, batch []*Job) {
 			// In flight: the dispatcher stays until the booking is in,
 			// and gives it back with the others of its key, latest
 			// first, if it is not to run.
-			p.flying[key]++
-			j.flight = p.sent
-			p.sent++
-			p.aloft[key] = append(p.aloft[key], j.flight)
+			p.sendingLocked(key, []*Job{j})
 			p.mu.Unlock()
 			p.book(key, []*Job{j})
 		}()

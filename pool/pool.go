@@ -44,11 +44,12 @@ type Pool struct {
 	turns      list.List            // of *keyQueue: the same keys, in turn
 	slots      jobHeap              // booked jobs, earliest slot first
 	owed       []*Job               // jobs whose booking is still to give back: done, or refused late and refunding (see takeRefundsLocked)
-	flying     map[string]int       // keys with booking calls in flight, the pool's and its Acquire callers': how many (see book)
-	stood      map[string][]*Job    // with WithLease: the bookings a key's started jobs (and Acquire callers that acted) stand on, while a call sent before they started flies (see tradeUnderLocked)
+	flying     map[string]int       // keys with booking calls of the pool's in flight: how many (see book)
+	calling    map[string]int       // keys with booking calls of Acquire callers in flight: how many (see acquireSlot)
+	stood      map[string][]*Job    // the bookings a key's started jobs (and Acquire callers that acted) stand on, while a call sent before they started flies (see tradeUnderLocked)
 	callers    []*Job               // records of the bookings of Acquire callers waiting for their slot: wanted, never given back by the pool (see Acquire)
-	aloft      map[string][]uint64  // with WithLease: the numbers of each key's booking calls in flight, in order
-	sent       uint64               // with WithLease: booking calls sent so far, which number them
+	aloft      map[string][]uint64  // the numbers of each key's booking calls in flight (the pool's and its Acquire callers'), in order
+	sent       uint64               // booking calls sent so far, which number them
 	giving     map[string]int       // keys with bookings being given back: how many (see giveBack)
 	maxFlights int                  // most batches in flight at once: the const maxFlights (tests may lower it)
 	gave       sync.Cond            // on mu: signalled when giveBack is done (a key's giving may be 0)
@@ -91,6 +92,7 @@ func New(lim *reserve.Limiter, opts ...Option) (*Pool, error) {
 		quit:       make(chan struct{}),
 		queues:     make(map[string]*keyQueue),
 		flying:     make(map[string]int),
+		calling:    make(map[string]int),
 		stood:      make(map[string][]*Job),
 		aloft:      make(map[string][]uint64),
 		giving:     make(map[string]int),
@@ -168,13 +170,21 @@ func (p *Pool) Wait(ctx context.Context) error {
 //
 // Callers waiting for a worker get the next one given back, before the
 // backlog. A refusal (the slot would pass ctx's deadline or the limiter's
-// max wait) returns at once with the limiter's error, holding nothing. If
-// ctx ends while Acquire sleeps until the slot, Acquire returns ctx's
-// error at once, and the pool gives the booking back, after any later
-// booking of the key that will not be used (see Cancellation in the
-// package doc).
-// Acquire returns ErrClosed once the pool is closed, also to a caller still
-// waiting for a worker. Calling release more than once does nothing more.
+// max wait) returns at once with the limiter's error, holding nothing. A
+// caller books alone, as a job with WithLease does: one Redis call each
+// (the engine may merge calls, see throttle.WithMergeAt), made once the
+// pool's give-backs of the key under way are in. If ctx ends while the
+// call is out, or the reply comes too late for ctx's deadline, Acquire
+// returns ctx's error or the refusal, and the pool owes the booking as it
+// owes a job's. If ctx ends while Acquire sleeps until the slot, Acquire
+// returns ctx's error at once, and the pool gives the booking back, after
+// any later booking of the key that will not be used. Meanwhile the pool
+// may hand the caller an earlier slot of its key that a cancelled job will
+// not use: Acquire then returns at that slot (see Cancellation in the
+// package doc). Acquire returns ErrClosed once the pool is closed: to a
+// caller still waiting for a worker, and to one sleeping until its slot,
+// at once (its booking is given back as a job's is). Calling release more
+// than once does nothing more.
 func (p *Pool) Acquire(ctx context.Context, key string) (release func(), err error) {
 	if err := p.lim.CheckKey(key); err != nil {
 		return nil, err
@@ -205,67 +215,139 @@ func (p *Pool) Acquire(ctx context.Context, key string) (release func(), err err
 
 // acquireSlot books a slot of key for an Acquire caller and sleeps until
 // it, as the limiter's Acquire does, but with the pool in sight of the
-// booking, as of a job's: while the call is out the key is busy (flying),
-// and while the caller sleeps its booking is wanted (callers), so the
-// pool gives back no booking of the key that the caller's may stand on
-// (it would give nothing). Once the caller acts, the owed bookings under
-// its booking are forgotten, a late refusal's of the same slot traded
-// with it, as for a started job (see forgetUnderLocked and
-// tradeUnderLocked). A caller whose ctx ends while it sleeps has not
-// acted: its booking is forgone and owed, for the dispatcher to give back
-// in order with the others of its key; or, once the dispatcher has
-// returned, given back here.
+// booking, as of a job's:
+//
+//   - it books once no booking of the key is being given back, or owed
+//     with nothing wanted on it (as a lease goroutine does): those must
+//     reach Redis first, or they would give nothing back;
+//   - it books alone, HoldLate as a job does (see book): a booking made
+//     late by the reply's latency, or after ctx has ended, is owed by the
+//     pool (handed down, traded, given back in order), and the call is
+//     numbered among the key's calls in flight (aloft) for a late refusal
+//     to trade with a booking started on meanwhile;
+//   - while the call is out the key is busy (calling): the pool gives
+//     back none of its bookings, which the caller's may stand on;
+//   - while the caller sleeps its booking is wanted (callers): the pool
+//     gives back none under it, and hands it the slot of one under it that
+//     will not be used, as it does a booked job;
+//   - once the caller acts, the owed bookings under its booking are
+//     forgotten and a late refusal's of the same slot under it is traded
+//     with it, as for a started job (forgetUnderLocked, tradeUnderLocked);
+//   - a caller whose ctx ends while it sleeps, or the pool closed, has not
+//     acted: its booking is forgone and owed, for the dispatcher to give
+//     back in order (it waits for sleeping callers before it returns).
+//
+// A booking that lands once the dispatcher has returned is given back
+// here: nothing else of the pool's stands then.
 func (p *Pool) acquireSlot(ctx context.Context, key string) error {
 	p.mu.Lock()
-	p.flying[key]++
-	p.mu.Unlock()
-	r, err := p.lim.Reserve(ctx, key)
-	p.mu.Lock()
-	if p.flying[key]--; p.flying[key] == 0 {
-		delete(p.flying, key)
+	stop := context.AfterFunc(ctx, func() { // wakes the wait below
+		p.mu.Lock()
+		p.gave.Broadcast()
+		p.mu.Unlock()
+	})
+	for !p.closed && ctx.Err() == nil && (p.giving[key] > 0 || p.givableOwedLocked(key)) {
+		p.gave.Wait()
 	}
-	var rec *Job
-	if err == nil && r.Booking().OK && !r.Fallback() {
-		rec = &Job{key: key, ctx: ctx, state: done, index: -1, caller: true, res: r, at: r.Booking().At, act: r.SlotAt(), seq: p.bookings}
-		p.bookings++
-		p.callers = append(p.callers, rec)
-	}
-	p.mu.Unlock()
-	p.nudge() // the key is no longer busy with the call
-	if err != nil {
+	stop()
+	if err := p.closedErrLocked(ctx); err != nil {
+		p.mu.Unlock()
 		return err
 	}
-	if rec == nil {
-		return r.Wait(ctx) // the fallback's answer: no slot of the shared limit
+	p.calling[key]++
+	n := p.calledLocked(key)
+	p.mu.Unlock()
+	// Not ctx: a reply that books after ctx ends is the pool's to give
+	// back (the engine's timeout bounds the call).
+	rs, err := p.lim.ReserveBatch(context.Background(), key, []reserve.BatchRequest{{Context: ctx, N: 1, HoldLate: true}})
+	now := time.Now()
+
+	p.mu.Lock()
+	if p.calling[key]--; p.calling[key] == 0 {
+		delete(p.calling, key)
 	}
-	t := time.NewTimer(r.Delay())
+	var (
+		r     *reserve.Reservation
+		rec   *Job                 // its booking in Redis, if any
+		self  *reserve.Reservation // to give back here: the dispatcher has returned
+		sleep bool
+	)
+	if err == nil {
+		r = rs[0]
+		switch b := r.Booking(); {
+		case r.Fallback():
+			// No slot of the shared limit: a local booking, given back
+			// without a Redis call.
+			if err = p.closedErrLocked(ctx); err != nil {
+				self = r
+			}
+		case !b.OK:
+			err = r.Err() // refused: nothing booked
+		default:
+			rec = &Job{key: key, ctx: ctx, state: done, index: -1, res: r, at: b.At, act: r.SlotAt(), seq: p.bookings}
+			p.bookings++
+			switch {
+			case !r.OK():
+				// Refused late, or gone while the call was out: held for
+				// the pool, owed as a job's late refusal is (see book).
+				rec.act = now.Add(b.Wait)
+				err, self = r.Err(), p.oweCallerLocked(rec, nil)
+			case p.closedErrLocked(ctx) != nil:
+				err = p.closedErrLocked(ctx)
+				self = p.oweCallerLocked(rec, err)
+			default:
+				rec.caller, rec.moved = true, make(chan struct{}, 1)
+				p.callers = append(p.callers, rec)
+				sleep = true
+			}
+		}
+	}
+	p.landedLocked(key, n) // its answer looked at
+	p.mu.Unlock()
+	p.nudge() // the key is no longer busy with the call
+	if self != nil {
+		giveBackSelf(ctx, self)
+	}
+	switch {
+	case r != nil && r.Fallback() && err == nil:
+		return r.Wait(ctx)
+	case !sleep:
+		return err
+	}
+
+	// Sleep until the slot of the booking rec holds: its own, or one
+	// handed down to it (handDownLocked), which comes earlier.
+	t := time.NewTimer(time.Hour)
 	defer t.Stop()
 	acted := false
-	select {
-	case <-t.C:
-		acted = true
-	case <-ctx.Done():
+	for slept := false; !slept; {
+		p.mu.Lock()
+		act := rec.act
+		p.mu.Unlock()
+		t.Reset(time.Until(act))
+		select {
+		case <-t.C:
+			acted, slept = true, true
+		case <-rec.moved: // Reset drops a tick not received (Go 1.23 timers)
+		case <-ctx.Done():
+			slept = true
+		case <-p.quit:
+			slept = true
+		}
 	}
 	p.mu.Lock()
 	p.callers = slices.DeleteFunc(p.callers, func(j *Job) bool { return j == rec })
+	rec.caller = false
 	if !acted {
-		err := ctx.Err()
-		f, ok := forgo(r, err) // no one acted on it
-		stopped := p.stopped
-		if ok && !stopped {
-			rec.res, rec.caller = f, false
-			p.owed = append(p.owed, rec)
-		}
+		err := p.closedErrLocked(ctx)
+		self := p.oweCallerLocked(rec, err)
 		p.mu.Unlock()
 		p.nudge()
-		if ok && stopped {
-			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
-			_ = f.Cancel(cctx)
-			cancel()
+		if self != nil {
+			giveBackSelf(ctx, self)
 		}
 		return err
 	}
-	rec.caller = false
 	p.forgetUnderLocked(rec)
 	if len(p.aloft[key]) > 0 && rec.res.Booking().OK {
 		// A late refusal of a call in flight may yet land under it.
@@ -275,6 +357,45 @@ func (p *Pool) acquireSlot(ctx context.Context, key string) error {
 	p.mu.Unlock()
 	p.nudge()
 	return nil
+}
+
+// closedErrLocked is the error of an Acquire caller that will not act:
+// ctx's, or ErrClosed once the pool is closed; nil if neither. p.mu is
+// held.
+func (p *Pool) closedErrLocked(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if p.closed {
+		return ErrClosed
+	}
+	return nil
+}
+
+// oweCallerLocked owes the booking of rec, an Acquire caller's that no
+// one acted on: held already (a late refusal's), or OK and forgone here
+// with err. The dispatcher gives it back in order with the others of its
+// key; once it has returned, nothing else of the pool's stands, and
+// oweCallerLocked returns the booking for the caller to give back
+// (giveBackSelf). p.mu is held.
+func (p *Pool) oweCallerLocked(rec *Job, err error) (self *reserve.Reservation) {
+	if err != nil {
+		rec.res, _ = forgo(rec.res, err)
+	}
+	if p.stopped {
+		return rec.res
+	}
+	p.owed = append(p.owed, rec)
+	p.tradeUnderLocked(rec) // a job or caller started on top of it
+	return nil
+}
+
+// giveBackSelf gives r back for an Acquire caller once the dispatcher has
+// returned, on a context that keeps ctx's values, not its end.
+func giveBackSelf(ctx context.Context, r *reserve.Reservation) {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+	defer cancel()
+	_ = r.Cancel(cctx)
 }
 
 // acquireWorker takes a worker for an Acquire caller, waiting for one if
@@ -315,7 +436,10 @@ func (p *Pool) acquireWorker(ctx context.Context) error {
 
 // Close stops the pool: no more jobs are accepted, jobs not yet booked end
 // with ErrClosed, bookings not yet started are given back (their jobs end
-// with ErrClosed), and Close waits for running jobs. If ctx ends first, the
+// with ErrClosed, and Acquire callers sleeping until their slot return
+// ErrClosed), and Close waits for running jobs, and for the pool's own
+// booking calls in flight (bounded by the engine's timeout), whose
+// bookings it gives back too. If ctx ends first, the
 // running jobs' contexts are not cancelled (they are the caller's), but
 // Close stops waiting and returns ctx's error. Close is idempotent.
 func (p *Pool) Close(ctx context.Context) error {

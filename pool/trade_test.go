@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -245,7 +246,10 @@ func TestBatchLateRefusalUnderJobOfSameSlot(t *testing.T) {
 func TestLeaseLateRefusalUnderAcquireOfSameSlot(t *testing.T) {
 	t.Parallel()
 	lim := throttle.PerMinute(6, 1) // I = 10 s, room for two at once
-	r := newFGRig(t, "acqtrade", lim, throttle.WithMergeAt(1))
+	// Booking calls counted (script calls less refunds): with X's, L and
+	// A in one merged call make two, the premise of a shared slot.
+	calls := &callCounter{}
+	r := newFGRig(t, "acqtrade", lim, throttle.WithMergeAt(1), throttle.WithObserver(calls))
 	p := newTradePool(t, r, 64)
 	const D = 400 * time.Millisecond
 	var held = make(chan struct{}) // closed once A has acted, per trial
@@ -264,6 +268,7 @@ func TestLeaseLateRefusalUnderAcquireOfSameSlot(t *testing.T) {
 			trial++
 			key := fmt.Sprintf("k%d", trial)
 			held = make(chan struct{})
+			booked0 := calls.booked()
 			x, err := p.Submit(bg, "x"+key, fgNop)
 			require.NoError(t, err)
 			time.Sleep(60 * time.Millisecond) // X's call in flight: the next bookings merge
@@ -291,8 +296,8 @@ func TestLeaseLateRefusalUnderAcquireOfSameSlot(t *testing.T) {
 			lcancel()
 			time.Sleep(2*D + 200*time.Millisecond) // a give-back's reply is in
 
-			if !hoLate(l) {
-				t.Logf("trial %d: premise not met (L late %v, L err %v)", trial, hoLate(l), l.Err())
+			if n := calls.booked() - booked0; !hoLate(l) || n != 2 {
+				t.Logf("trial %d: premise not met (L late %v, L err %v; %d booking calls)", trial, hoLate(l), l.Err(), n)
 				continue
 			}
 			// L under A: L's booking was the first on the empty key, so
@@ -308,3 +313,21 @@ func TestLeaseLateRefusalUnderAcquireOfSameSlot(t *testing.T) {
 	}
 	t.Logf("cases met: %v", met)
 }
+
+// callCounter is a throttle.Observer that counts an engine's script calls
+// that succeeded and its refunds.
+type callCounter struct {
+	calls, refunds atomic.Int64
+}
+
+// booked returns the calls that were not refunds.
+func (c *callCounter) booked() int64 { return c.calls.Load() - c.refunds.Load() }
+
+func (c *callCounter) ObserveDecision(string, throttle.Outcome, time.Duration) {}
+func (c *callCounter) ObserveCall(_ string, _ time.Duration, err error) {
+	if err == nil {
+		c.calls.Add(1)
+	}
+}
+func (c *callCounter) ObserveRefund(string, time.Duration) { c.refunds.Add(1) }
+func (c *callCounter) ObserveBreaker(bool)                 {}
