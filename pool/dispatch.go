@@ -39,9 +39,12 @@ func (p *Pool) dispatch() {
 			batch  []*Job
 			wakeAt time.Time
 			// Closed, every booking taken (see takeRefundsLocked), no
-			// booking call in flight (one that lands is given back) and
-			// no give-back under way.
-			stopped = p.closed && len(refunds) == 0 && len(p.flying) == 0 && len(p.giving) == 0 && len(p.callers) == 0
+			// booking call in flight, the pool's or an Acquire caller's
+			// (one that lands is given back), no caller sleeping until
+			// its slot (Close ends it, its booking owed) and no
+			// give-back under way.
+			stopped = p.closed && len(refunds) == 0 && len(p.flying) == 0 && len(p.giving) == 0 &&
+				len(p.calling) == 0 && len(p.callers) == 0
 			// Once closed, quit is always ready: wait for what wakes the
 			// dispatcher (a batch's answers) instead.
 			quit = p.quit
@@ -49,7 +52,6 @@ func (p *Pool) dispatch() {
 		if p.closed {
 			quit = nil
 		}
-		p.stopped = stopped
 		if len(refunds) == 0 {
 			key, batch, wakeAt = p.takeBatchLocked(now)
 		}
@@ -393,11 +395,12 @@ func endErr(j *Job) error {
 // key. So for each key, going from its latest booking back (by slot on the
 // Redis clock, which a later booking of a key never has earlier, then by
 // order of booking), give takes bookings until one that is still wanted
-// (a job whose context has not ended, or a caller's); that one and every booking before
-// it stay: the unwanted among them are owed (owe), to be given back once
-// everything after them is. A busy key (a booking call in flight, which
-// may book after them; or bookings being given back, which must reach
-// Redis first) counts as wanted above all its bookings.
+// (a job's whose context has not ended, or a caller's); that one and every
+// booking before it stay: the unwanted among them are owed (owe), to be
+// given back once everything after them is. A busy key (a booking call
+// in flight, the pool's or an Acquire caller's, which may book after them;
+// or bookings being given back, which must reach Redis first) counts as
+// wanted above all its bookings.
 // Contexts shared by many jobs end at once, and a parent's children one
 // by one; either way what give takes is given back in full, and the rest
 // at a later look, after it. Taking an earlier booking while a later one

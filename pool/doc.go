@@ -87,9 +87,9 @@
 //   - Close. No more jobs are accepted, queued jobs end with ErrClosed,
 //     bookings not started are given back (their jobs end with ErrClosed),
 //     Acquire callers still waiting for a worker or sleeping until their
-//     slot get ErrClosed, and Close waits for running jobs, for the
-//     pool's booking calls in flight, and for every goroutine the pool
-//     started.
+//     slot get ErrClosed, and Close waits for running jobs, for booking
+//     calls in flight (the pool's and its Acquire callers'), and for every
+//     goroutine the pool started.
 //
 // Inside, every job is in one of six states (queued, booking, booked,
 // running, refunding, done), and one function moves a job from one to the

@@ -47,7 +47,7 @@ type Pool struct {
 	flying     map[string]int       // keys with booking calls of the pool's in flight: how many (see book)
 	calling    map[string]int       // keys with booking calls of Acquire callers in flight: how many (see acquireSlot)
 	stood      map[string][]*Job    // the bookings a key's started jobs (and Acquire callers that acted) stand on, while a call sent before they started flies (see tradeUnderLocked)
-	callers    []*Job               // records of the bookings of Acquire callers waiting for their slot: wanted, never given back by the pool (see Acquire)
+	callers    []*Job               // records of the bookings of Acquire callers waiting for their slot: wanted, never given back by the pool (see acquireSlot)
 	aloft      map[string][]uint64  // the numbers of each key's booking calls in flight (the pool's and its Acquire callers'), in order
 	sent       uint64               // booking calls sent so far, which number them
 	giving     map[string]int       // keys with bookings being given back: how many (see giveBack)
@@ -59,7 +59,6 @@ type Pool struct {
 	idle       chan struct{}        // closed while pending is 0
 	bookings   uint64               // bookings made so far, to give back the latest first
 	closed     bool
-	stopped    bool // the dispatcher has returned: it gives nothing more back
 
 	afterReply func(ctx context.Context) // tests: called in book for each job's context once the reply is in
 }
@@ -235,10 +234,8 @@ func (p *Pool) Acquire(ctx context.Context, key string) (release func(), err err
 //     with it, as for a started job (forgetUnderLocked, tradeUnderLocked);
 //   - a caller whose ctx ends while it sleeps, or the pool closed, has not
 //     acted: its booking is forgone and owed, for the dispatcher to give
-//     back in order (it waits for sleeping callers before it returns).
-//
-// A booking that lands once the dispatcher has returned is given back
-// here: nothing else of the pool's stands then.
+//     back in order (once closed, it returns only when no caller's call is
+//     out and no caller sleeps).
 func (p *Pool) acquireSlot(ctx context.Context, key string) error {
 	p.mu.Lock()
 	stop := context.AfterFunc(ctx, func() { // wakes the wait below
@@ -269,17 +266,16 @@ func (p *Pool) acquireSlot(ctx context.Context, key string) error {
 	var (
 		r     *reserve.Reservation
 		rec   *Job                 // its booking in Redis, if any
-		self  *reserve.Reservation // to give back here: the dispatcher has returned
+		local *reserve.Reservation // the fallback's booking, to give back (no Redis call)
 		sleep bool
 	)
 	if err == nil {
 		r = rs[0]
 		switch b := r.Booking(); {
 		case r.Fallback():
-			// No slot of the shared limit: a local booking, given back
-			// without a Redis call.
+			// No slot of the shared limit: a local booking.
 			if err = p.closedErrLocked(ctx); err != nil {
-				self = r
+				local = r
 			}
 		case !b.OK:
 			err = r.Err() // refused: nothing booked
@@ -291,10 +287,11 @@ func (p *Pool) acquireSlot(ctx context.Context, key string) error {
 				// Refused late, or gone while the call was out: held for
 				// the pool, owed as a job's late refusal is (see book).
 				rec.act = now.Add(b.Wait)
-				err, self = r.Err(), p.oweCallerLocked(rec, nil)
+				err = r.Err()
+				p.oweCallerLocked(rec, nil)
 			case p.closedErrLocked(ctx) != nil:
 				err = p.closedErrLocked(ctx)
-				self = p.oweCallerLocked(rec, err)
+				p.oweCallerLocked(rec, err)
 			default:
 				rec.caller, rec.moved = true, make(chan struct{}, 1)
 				p.callers = append(p.callers, rec)
@@ -305,8 +302,8 @@ func (p *Pool) acquireSlot(ctx context.Context, key string) error {
 	p.landedLocked(key, n) // its answer looked at
 	p.mu.Unlock()
 	p.nudge() // the key is no longer busy with the call
-	if self != nil {
-		giveBackSelf(ctx, self)
+	if local != nil {
+		_ = local.Cancel(context.WithoutCancel(ctx))
 	}
 	switch {
 	case r != nil && r.Fallback() && err == nil:
@@ -340,12 +337,9 @@ func (p *Pool) acquireSlot(ctx context.Context, key string) error {
 	rec.caller = false
 	if !acted {
 		err := p.closedErrLocked(ctx)
-		self := p.oweCallerLocked(rec, err)
+		p.oweCallerLocked(rec, err)
 		p.mu.Unlock()
 		p.nudge()
-		if self != nil {
-			giveBackSelf(ctx, self)
-		}
 		return err
 	}
 	p.forgetUnderLocked(rec)
@@ -375,27 +369,14 @@ func (p *Pool) closedErrLocked(ctx context.Context) error {
 // oweCallerLocked owes the booking of rec, an Acquire caller's that no
 // one acted on: held already (a late refusal's), or OK and forgone here
 // with err. The dispatcher gives it back in order with the others of its
-// key; once it has returned, nothing else of the pool's stands, and
-// oweCallerLocked returns the booking for the caller to give back
-// (giveBackSelf). p.mu is held.
-func (p *Pool) oweCallerLocked(rec *Job, err error) (self *reserve.Reservation) {
+// key (it does not return while a caller's call is out or a caller
+// sleeps). p.mu is held.
+func (p *Pool) oweCallerLocked(rec *Job, err error) {
 	if err != nil {
 		rec.res, _ = forgo(rec.res, err)
 	}
-	if p.stopped {
-		return rec.res
-	}
 	p.owed = append(p.owed, rec)
 	p.tradeUnderLocked(rec) // a job or caller started on top of it
-	return nil
-}
-
-// giveBackSelf gives r back for an Acquire caller once the dispatcher has
-// returned, on a context that keeps ctx's values, not its end.
-func giveBackSelf(ctx context.Context, r *reserve.Reservation) {
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
-	defer cancel()
-	_ = r.Cancel(cctx)
 }
 
 // acquireWorker takes a worker for an Acquire caller, waiting for one if
@@ -437,10 +418,10 @@ func (p *Pool) acquireWorker(ctx context.Context) error {
 // Close stops the pool: no more jobs are accepted, jobs not yet booked end
 // with ErrClosed, bookings not yet started are given back (their jobs end
 // with ErrClosed, and Acquire callers sleeping until their slot return
-// ErrClosed), and Close waits for running jobs, and for the pool's own
-// booking calls in flight (bounded by the engine's timeout), whose
-// bookings it gives back too. If ctx ends first, the
-// running jobs' contexts are not cancelled (they are the caller's), but
+// ErrClosed), and Close waits for running jobs, and for booking calls in
+// flight, the pool's and its Acquire callers' (bounded by the engine's
+// timeout), whose bookings it gives back too, in order. If ctx ends first,
+// the running jobs' contexts are not cancelled (they are the caller's), but
 // Close stops waiting and returns ctx's error. Close is idempotent.
 func (p *Pool) Close(ctx context.Context) error {
 	p.mu.Lock()
