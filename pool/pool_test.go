@@ -3,6 +3,7 @@ package pool_test
 import (
 	"context"
 	"errors"
+	"flag"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -21,7 +22,20 @@ import (
 	"github.com/slotbook/slotbook/throttle"
 )
 
-func TestMain(m *testing.M) { redistest.Main(m) }
+// TestMain runs the package's parallel tests four at a time unless
+// -parallel is given. They mostly sleep (replies held back hundreds of
+// milliseconds, slots seconds apart), and two at a time, go test's default
+// on a 2-core machine, they took about 530 s, near its default 10-minute
+// timeout for a package.
+func TestMain(m *testing.M) {
+	flag.Parse()
+	set := false
+	flag.Visit(func(f *flag.Flag) { set = set || f.Name == "test.parallel" })
+	if !set {
+		_ = flag.Set("test.parallel", "4")
+	}
+	redistest.Main(m)
+}
 
 // process stands for one OS process: a Redis client of its own, an engine
 // and a limiter.
