@@ -466,14 +466,29 @@ func (p *Pool) startDueLocked(now time.Time) {
 	for len(p.slots) > 0 && !p.slots[0].act.After(now) {
 		j := p.slots[0]
 		p.moveLocked(j, running, nil)
-		p.forgetUnderLocked(j)
-		if len(p.aloft[j.key]) > 0 && j.res.Booking().OK {
-			// A late refusal of a call in flight may yet land under it.
-			s := noOnes(j)
-			s.res, s.at, s.act, s.seq, s.flight = j.res, j.at, j.act, j.seq, p.sent
-			p.stood[j.key] = append(p.stood[j.key], s)
-		}
+		p.actedLocked(j)
 	}
+}
+
+// actedLocked is for j, a job just started or an Acquire caller's record
+// whose caller has just acted: j now stands on its booking for good. The
+// owed bookings under it are forgotten, a held one of its slot traded
+// with it (forgetUnderLocked), and while a call of its key sent before
+// flies, a record of its booking is kept in stood (a copy of a job's; a
+// caller's record itself), for a late refusal that call may bring back
+// under it (tradeUnderLocked). p.mu is held.
+func (p *Pool) actedLocked(j *Job) {
+	p.forgetUnderLocked(j)
+	if len(p.aloft[j.key]) == 0 || !j.res.Booking().OK {
+		return
+	}
+	s := j
+	if j.state != done { // a job, which goes on
+		s = noOnes(j)
+		s.res, s.at, s.act, s.seq = j.res, j.at, j.act, j.seq
+	}
+	s.flight = p.sent
+	p.stood[j.key] = append(p.stood[j.key], s)
 }
 
 // tradeLocked trades the held booking of o, a late refusal's (owed),

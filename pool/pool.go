@@ -231,7 +231,7 @@ func (p *Pool) Acquire(ctx context.Context, key string) (release func(), err err
 //     will not be used, as it does a booked job;
 //   - once the caller acts, the owed bookings under its booking are
 //     forgotten and a late refusal's of the same slot under it is traded
-//     with it, as for a started job (forgetUnderLocked, tradeUnderLocked);
+//     with it, as for a started job (actedLocked);
 //   - a caller whose ctx ends while it sleeps, or the pool closed, has not
 //     acted: its booking is forgone and owed, for the dispatcher to give
 //     back in order (once closed, it returns only when no caller's call is
@@ -282,6 +282,7 @@ func (p *Pool) acquireSlot(ctx context.Context, key string) error {
 		default:
 			rec = &Job{key: key, ctx: ctx, state: done, index: -1, res: r, at: b.At, act: r.SlotAt(), seq: p.bookings}
 			p.bookings++
+			cerr := p.closedErrLocked(ctx)
 			switch {
 			case !r.OK():
 				// Refused late, or gone while the call was out: held for
@@ -289,8 +290,8 @@ func (p *Pool) acquireSlot(ctx context.Context, key string) error {
 				rec.act = now.Add(b.Wait)
 				err = r.Err()
 				p.oweCallerLocked(rec, nil)
-			case p.closedErrLocked(ctx) != nil:
-				err = p.closedErrLocked(ctx)
+			case cerr != nil:
+				err = cerr
 				p.oweCallerLocked(rec, err)
 			default:
 				rec.caller, rec.moved = true, make(chan struct{}, 1)
@@ -342,12 +343,7 @@ func (p *Pool) acquireSlot(ctx context.Context, key string) error {
 		p.nudge()
 		return err
 	}
-	p.forgetUnderLocked(rec)
-	if len(p.aloft[key]) > 0 && rec.res.Booking().OK {
-		// A late refusal of a call in flight may yet land under it.
-		rec.flight = p.sent
-		p.stood[key] = append(p.stood[key], rec)
-	}
+	p.actedLocked(rec)
 	p.mu.Unlock()
 	p.nudge()
 	return nil
