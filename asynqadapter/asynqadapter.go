@@ -59,9 +59,11 @@
 // before the slot (whole seconds, rounded down) and the handler sleeps the
 // rest. The booking is kept in the limiter's Redis under the task's queue,
 // id, retry count and a hash of its type and payload, so the task runs at
-// it on whichever server takes it, without booking again;
-// the process keeps the bookings due in the next two seconds from each
-// reply, so most returning tasks make no call at all. The max wait then
+// it on whichever server takes it, without booking again: a returning task
+// recalls its booking with one call, which takes it out of the index (a
+// task cut short by a server's shutdown and run again as the same attempt
+// then books a slot of its own; one cut short before its slot puts the
+// booking back for its next attempt). The max wait then
 // only bounds how long a handler holds a worker. Set asynq's
 // TaskCheckInterval to about 100ms with it: idle asynq workers look for
 // new tasks only that often (every 0.5 to 1.5 s by default), and a task
@@ -440,7 +442,7 @@ func newMiddleware(lim *reserve.Limiter, opts ...Option) (*middleware, error) {
 			return nil, errors.New("booked retries: the engine is not the one the limiter books through")
 		}
 		runCap, _ := m.lim.MaxWait()
-		m.booked = newBooked(cfg.booked, runCap, max(m.tolerance, time.Second))
+		m.booked = newBooked(cfg.booked, runCap)
 	}
 	return m, nil
 }

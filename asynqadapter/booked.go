@@ -27,45 +27,36 @@ import (
 // sent back for it would be picked up after it. The booking is remembered
 // in the limiter's Redis under the task's queue, id and retry count, in a
 // sorted set per limiter key ("name:{key}:asynq", the rate key's hash
-// tag). When the task comes back, to any server, it runs at its booking
+// tag). When the task comes back, to any server, it recalls its booking
+// with one call, which takes the entry out of the index, and runs at it
 // without booking again; if it comes back more than one interval of the
 // limit late (every worker busy), it books again. A task deleted or
 // archived meanwhile leaves its booking unused: the slot stays spent (the
 // key is booked up to it) and the entry is dropped a minute after it.
 //
+// The recall takes the entry out so that no other attempt of the task
+// finds it: asynq runs a task cut short by a server's shutdown (its
+// handler still running after the ShutdownTimeout) again as the same
+// attempt, with the same retry count, and that attempt must book a slot
+// of its own rather than run again at one already used. A task cut short
+// while it sleeps until its slot has not used it: it puts the booking
+// back in the index (throttle.Engine.RestoreRetry), as long as the slot
+// has not come, for its next attempt to recall.
+//
 // Run booked retries on every server that serves a key: a server without
 // them books afresh for a task another has booked, and the booking lapses.
 // A horizon shorter than the queue of a busy key, or task Timeouts close
 // to the check interval plus the max wait, leave little to book ahead and
-// cost calls.
-//
-// The reply to each booking call also lists the bookings due within the
-// next two seconds, which the process keeps, so that most returning tasks
-// find theirs without a Redis call, and one call per key is in flight per
-// process at a time. Tasks refused together thus return spread by their
-// bookings, across servers, and each second's quota is used. The index in
-// Redis is the truth: a kept booking that a later reply should list but
-// does not (used by a task run elsewhere, or lost) is dropped, and its
-// task books again when it comes back; a task already waiting in its
-// handler for such a booking is woken to book again. A booking's entry
-// stays in the index until its task has run at it, so that replies can
-// show it lost.
+// cost calls. One call per key is in flight per process at a time.
 //
 // If the limiter's Redis loses its state (a restart without persistence,
 // a flush), the next bookings start from an empty key, with a full burst,
-// as in any limiter that loses its state. The first reply to each
-// process's next booking call for the key lists none of the bookings made
-// before: the process drops those it kept and wakes the tasks waiting for
-// them. What still runs beside the new bookings, and can exceed the
-// limit, is what no reply could stop: bookings of tasks that were
-// already waiting at the loss for a slot made by their own call (up to
-// about two seconds ahead, as for any reservation granted before a loss),
-// and kept bookings whose slots pass before the process's next booking
-// call for the key (measured at 20/s burst 0 in one process,
-// TestBookedStateLoss: at most 21 starts in a second whether the call or
-// the tasks come first after a flush, against 37 and 30 to 32 when kept
-// bookings ran regardless; with two processes, one that made no call
-// after the flush ran the bookings its waiting tasks had kept: 30 to 31).
+// as in any limiter that loses its state, and the index is lost with it:
+// tasks that come back find no booking and book again. What still runs
+// beside the new bookings, and can exceed the limit, is what was granted
+// before the loss: tasks already sleeping in their handlers until a slot
+// booked or recalled before it (up to about a check interval ahead, as
+// for any reservation granted before a loss).
 //
 // eng must be the engine lim books through (lim.Engine(); NewMiddleware
 // refuses another, which would book a key the limiter's other paths never
@@ -93,94 +84,31 @@ type bookedConfig struct {
 }
 
 const (
-	dueWindow = 2 * time.Second // bookings due this soon are kept locally
-	maxDue    = 256             // at most this many per reply
-	maxForget = 256             // used entries sent back for removal, per key
-	cacheKeep = time.Minute     // a kept booking is dropped this long after its slot
+	maxForget = 256         // given-back entries sent for removal, per key and call
+	cacheKeep = time.Minute // members to forget are dropped after this long (Redis has dropped their entries)
 )
 
 // booked is the middleware's state for booked retries.
 type booked struct {
 	bookedConfig
 	runCap time.Duration // the max wait for running now
-	// since: replies list the index's entries whose slots passed at most
-	// this long ago (a booking later than the middleware's tolerance is
-	// booked again, and entries of tasks that never came back would crowd
-	// out those due).
-	since time.Duration
 
-	mu       sync.Mutex                     // guards the fields below
-	due      map[string]map[string]kept     // per subject: member -> its slot
-	asleep   map[string]map[string]*sleeper // per subject: member -> its task, waiting for it
-	inflight map[string]chan struct{}       // per subject: closed when its call returns
-	forget   map[string][]string            // per subject: members used from due
-	forgotAt map[string]time.Time           // per subject in forget: when its first member was added
-	pruned   time.Time                      // when prune last ran
+	mu       sync.Mutex               // guards the fields below
+	inflight map[string]chan struct{} // per subject: closed when its call returns
+	forget   map[string][]string      // per subject: members given back, to take out of the index
+	forgotAt map[string]time.Time     // per subject in forget: when its first member was added
+	pruned   time.Time                // when prune last ran
 }
 
-// sleeper is a task waiting in its handler for a kept booking taken from
-// due: the booking's slot on Redis's clock, and lost, closed if a reply
-// shows the booking gone from the index before the slot.
-type sleeper struct {
-	score time.Time
-	lost  chan struct{}
-}
-
-// kept is a booking a reply listed as due: its slot on the local clock
-// (from the reply's arrival) and, as the index holds it, on Redis's.
-type kept struct {
-	at, score time.Time
-}
-
-func newBooked(c *bookedConfig, runCap, since time.Duration) *booked {
-	return &booked{bookedConfig: *c, runCap: runCap, since: since, due: map[string]map[string]kept{},
-		asleep: map[string]map[string]*sleeper{}, inflight: map[string]chan struct{}{}, forget: map[string][]string{},
+func newBooked(c *bookedConfig, runCap time.Duration) *booked {
+	return &booked{bookedConfig: *c, runCap: runCap, inflight: map[string]chan struct{}{}, forget: map[string][]string{},
 		forgotAt: map[string]time.Time{}}
-}
-
-// take returns, and removes, the kept booking of member under subject,
-// whose task then waits for it until done. Its entry stays in the index
-// meanwhile, so that a later reply that should list it but does not shows
-// it lost (see drop): lost is then closed.
-func (b *booked) take(subject, member string) (at time.Time, lost <-chan struct{}, ok bool) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	k, ok := b.due[subject][member]
-	if !ok {
-		return time.Time{}, nil, false
-	}
-	delete(b.due[subject], member)
-	sl := &sleeper{score: k.score, lost: make(chan struct{})}
-	if b.asleep[subject] == nil {
-		b.asleep[subject] = map[string]*sleeper{}
-	}
-	b.asleep[subject][member] = sl
-	return k.at, sl.lost, true
-}
-
-// done ends the wait of member's task for the booking it took: it runs at
-// it, or gives it up, and the next call for subject takes the entry out of
-// the index. done reports false, and changes nothing, if a reply has shown
-// the booking lost meanwhile.
-func (b *booked) done(subject, member string) bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if _, ok := b.asleep[subject][member]; !ok {
-		return false
-	}
-	delete(b.asleep[subject], member)
-	if len(b.asleep[subject]) == 0 {
-		delete(b.asleep, subject)
-	}
-	b.addForget(subject, member)
-	return true
 }
 
 // forgetLater has the next call for subject take member out of the index.
 func (b *booked) forgetLater(subject, member string) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	delete(b.due[subject], member)
 	b.addForget(subject, member)
 }
 
@@ -198,39 +126,19 @@ func (b *booked) addForget(subject, member string) {
 	b.forget[subject] = append(f, member)
 }
 
-// prune drops, at most once per cacheKeep, the state of keys that have gone
-// quiet (leave prunes its own key's on every call): kept bookings whose
-// slot passed more than cacheKeep ago, and members waiting to be taken
-// out of an index for longer than that (Redis has dropped them by then).
-// Call with b.mu held.
+// prune drops, at most once per cacheKeep, the members of keys that have
+// gone quiet waiting to be taken out of an index for longer than that
+// (Redis has dropped them by then). Call with b.mu held.
 func (b *booked) prune(now time.Time) {
 	if now.Sub(b.pruned) < cacheKeep {
 		return
 	}
 	b.pruned = now
-	for subject := range b.due {
-		b.pruneKept(subject, now)
-	}
 	for subject, at := range b.forgotAt {
 		if _, busy := b.inflight[subject]; !busy && now.Sub(at) > cacheKeep {
 			delete(b.forget, subject)
 			delete(b.forgotAt, subject)
 		}
-	}
-}
-
-// pruneKept drops subject's kept bookings whose slot passed more than
-// cacheKeep before now, and subject's entry once none is left. Call with
-// b.mu held.
-func (b *booked) pruneKept(subject string, now time.Time) {
-	keep := b.due[subject]
-	for member, k := range keep {
-		if now.Sub(k.at) > cacheKeep {
-			delete(keep, member)
-		}
-	}
-	if len(keep) == 0 {
-		delete(b.due, subject)
 	}
 }
 
@@ -249,10 +157,9 @@ func (b *booked) enter(subject string) (wait chan struct{}, forget []string) {
 	return nil, forget
 }
 
-// leave ends the caller's call for subject: it keeps the bookings due
-// (at local times, from the reply's arrival), drops those the reply shows
-// gone (see drop), and wakes those waiting.
-func (b *booked) leave(subject, self string, rb throttle.RetryBooking, arrived time.Time, forget []string, failed bool) {
+// leave ends the caller's call for subject; the members it was to forget
+// wait for the next call if it failed.
+func (b *booked) leave(subject string, forget []string, failed bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if failed {
@@ -260,65 +167,9 @@ func (b *booked) leave(subject, self string, rb throttle.RetryBooking, arrived t
 			b.addForget(subject, member)
 		}
 	}
-	keep := b.due[subject]
-	if !failed {
-		drop(keep, b.asleep[subject], rb, b.since)
-		if len(b.asleep[subject]) == 0 {
-			delete(b.asleep, subject)
-		}
-	}
-	if keep == nil && len(rb.Due) > 0 {
-		keep = map[string]kept{}
-		b.due[subject] = keep
-	}
-	for member, at := range rb.Due {
-		if _, taken := b.asleep[subject][member]; member != self && !taken {
-			keep[member] = kept{at: arrived.Add(at.Sub(rb.Now)), score: at}
-		}
-	}
-	b.pruneKept(subject, arrived)
 	close(b.inflight[subject])
 	delete(b.inflight, subject)
-	b.prune(arrived)
-}
-
-// drop removes from keep the bookings that the reply rb should list but
-// does not: the index in Redis is the truth, and such a booking was used
-// by a task run elsewhere, or lost with Redis's state (a restart without
-// persistence, a flush), where the next bookings start from an empty key.
-// Run here, it would start beside them. Its task books again when it
-// comes back. A task already waiting for such a booking (in asleep) is
-// woken to book again. The reply lists the index's entries from
-// now-since up to now+dueWindow, or, if it lists maxDue of them, those up
-// to the latest it lists (an entry at that same score may be left out).
-// Every kept booking was listed by an earlier reply, so its score is on
-// Redis's clock: the comparison needs no conversion between clocks.
-func drop(keep map[string]kept, asleep map[string]*sleeper, rb throttle.RetryBooking, since time.Duration) {
-	if len(keep)+len(asleep) == 0 || rb.Now.IsZero() {
-		return
-	}
-	from, to := rb.Now.Add(-since), rb.Now.Add(dueWindow)
-	covered := func(score time.Time) bool { return !score.Before(from) && !score.After(to) }
-	if len(rb.Due) >= maxDue {
-		var last time.Time
-		for _, at := range rb.Due {
-			if at.After(last) {
-				last = at
-			}
-		}
-		covered = func(score time.Time) bool { return !score.Before(from) && score.Before(last) }
-	}
-	for member, k := range keep {
-		if _, listed := rb.Due[member]; !listed && covered(k.score) {
-			delete(keep, member)
-		}
-	}
-	for member, sl := range asleep {
-		if _, listed := rb.Due[member]; !listed && covered(sl.score) {
-			delete(asleep, member)
-			close(sl.lost)
-		}
-	}
+	b.prune(time.Now())
 }
 
 // bookedAttempt runs a task's attempt with booked retries. handled is
@@ -339,16 +190,6 @@ func (m *middleware) bookedAttempt(ctx context.Context, key string, t *asynq.Tas
 	subject := m.lim.Name() + ":{" + key + "}"
 	var forget []string
 	for {
-		if at, lost, ok := b.take(subject, member); ok {
-			if m.late(at) {
-				b.done(subject, member)
-				continue // its entry is spent: book again
-			}
-			if err, rebook := m.runKept(ctx, at, lost, subject, member, t, next); !rebook {
-				return err, true
-			}
-			continue // lost: book again
-		}
 		var wait chan struct{}
 		if wait, forget = b.enter(subject); wait == nil {
 			break
@@ -376,14 +217,13 @@ func (m *middleware) bookedAttempt(ctx context.Context, key string, t *asynq.Tas
 	budget, bound := deadline.Budget(ctx, now, b.horizon, m.cfg.work+deadlineMargin)
 	budget = max(budget, keep)
 	if budget < 0 {
-		b.leave(subject, member, throttle.RetryBooking{}, now, forget, true)
+		b.leave(subject, forget, true)
 		return m.refused(ctx, key, deadline.Refuse(bound, budget, 0)), true
 	}
-	rb, err := b.eng.BookRetry(ctx, []string{subject}, m.lim.Limits(), throttle.Request{N: 1, MaxWait: budget},
-		throttle.RetryIndex{Key: subject + ":asynq", Member: member, KeepFrom: max(keep, 0), Window: dueWindow, MaxDue: maxDue,
-			Since: b.since, Forget: forget})
+	idx := throttle.RetryIndex{Key: subject + ":asynq", Member: member, KeepFrom: max(keep, 0), Forget: forget}
+	rb, err := b.eng.BookRetry(ctx, []string{subject}, m.lim.Limits(), throttle.Request{N: 1, MaxWait: budget}, idx)
 	arrived := time.Now()
-	b.leave(subject, member, rb, arrived, forget, err != nil)
+	b.leave(subject, forget, err != nil)
 	switch {
 	case err != nil:
 		return nil, false
@@ -398,7 +238,7 @@ func (m *middleware) bookedAttempt(ctx context.Context, key string, t *asynq.Tas
 			// hand before its time): the slot stays spent; book again.
 			return m.bookedAttempt(ctx, key, t, next)
 		}
-		return m.runAt(ctx, at, nil, subject, t, next), true
+		return m.runRecalled(ctx, at, idx, rb, t, next), true
 	case !rb.OK:
 		return m.refused(ctx, key, deadline.Refuse(bound, budget, rb.Wait)), true
 	case rb.Recorded:
@@ -422,7 +262,7 @@ func (m *middleware) bookedAttempt(ctx context.Context, key string, t *asynq.Tas
 		}
 		return e, true
 	}
-	return m.runAt(ctx, arrived.Add(rb.Wait), &rb.Booking, subject, t, next), true
+	return m.runAt(ctx, arrived.Add(rb.Wait), rb.Booking, subject, t, next), true
 }
 
 // bookedMember names one attempt's booking in the index: the task's queue,
@@ -451,41 +291,32 @@ func (m *middleware) late(at time.Time) bool {
 	return time.Since(at) > m.tolerance
 }
 
-// runAt sleeps until at and runs the task. If ctx ends first, a booking
-// made by this attempt is given back.
-func (m *middleware) runAt(ctx context.Context, at time.Time, bk *throttle.Booking, subject string, t *asynq.Task, next asynq.Handler) error {
+// runAt sleeps until at, the slot of bk, booked by this attempt, and runs
+// the task. If ctx ends first, bk is given back.
+func (m *middleware) runAt(ctx context.Context, at time.Time, bk throttle.Booking, subject string, t *asynq.Task, next asynq.Handler) error {
 	if d := time.Until(at); d > 0 {
 		if err := sleep(ctx, d); err != nil {
-			if bk != nil {
-				m.giveBack(ctx, subject, *bk)
-			}
+			m.giveBack(ctx, subject, bk)
 			return err
 		}
 	}
 	return next.ProcessTask(ctx, t)
 }
 
-// runKept waits until at for the kept booking of member under subject,
-// taken from b.due, and runs the task. rebook reports that a reply showed
-// the booking lost first: the task must book again.
-func (m *middleware) runKept(ctx context.Context, at time.Time, lost <-chan struct{}, subject, member string, t *asynq.Task, next asynq.Handler) (err error, rebook bool) {
-	b := m.booked
+// runRecalled sleeps until at, the slot of rb, recalled from the index idx,
+// and runs the task. If ctx ends first (a server shutting down puts the
+// task back on its queue, as the same attempt), rb goes back in the index
+// for the next attempt, while its slot has not come.
+func (m *middleware) runRecalled(ctx context.Context, at time.Time, idx throttle.RetryIndex, rb throttle.RetryBooking, t *asynq.Task, next asynq.Handler) error {
 	if d := time.Until(at); d > 0 {
-		timer := time.NewTimer(d)
-		defer timer.Stop()
-		select {
-		case <-timer.C:
-		case <-lost:
-			return nil, true
-		case <-ctx.Done():
-			b.done(subject, member)
-			return ctx.Err(), false
+		if err := sleep(ctx, d); err != nil {
+			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+			defer cancel()
+			_, _ = m.booked.eng.RestoreRetry(cctx, idx, rb)
+			return err
 		}
 	}
-	if !b.done(subject, member) {
-		return nil, true
-	}
-	return next.ProcessTask(ctx, t), false
+	return next.ProcessTask(ctx, t)
 }
 
 // giveBack refunds a booking whose task will not run at it.

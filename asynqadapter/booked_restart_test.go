@@ -23,26 +23,23 @@ import (
 type began struct{}
 
 // TestBookedStateLoss: the limiter's Redis loses its state (FLUSHALL) while
-// a process keeps bookings it was told of, due within the next two
+// tasks booked ahead are away, their slots due within the next two
 // seconds. Those bookings must not run beside the new ones, which start
-// from an empty key: the first reply after the loss, which lists none of
-// them, drops them, and their tasks book again when they come back.
-// Before, each process ran them all (here, at 20/s burst 0: 37 starts in a
-// second, where at most 22 are allowed).
+// from an empty key: the index is lost with the state, so their tasks,
+// coming back, find no booking and book again. (Once, each process ran
+// the bookings due soon that earlier replies had listed, without a call:
+// here, at 20/s burst 0, 37 starts in a second, where at most 22 are
+// allowed; then a reply after the loss dropped them, except those whose
+// slots passed first. Now every returning task recalls its booking.)
 //
 // The scene, in one asynq server (one process) on two queues of one key:
 // the limit is filled so that the next slot is over a second away; 30
-// tasks are enqueued in queue A, booked ahead and sent back (the process
-// keeps those due within two seconds); queue A is paused, so that they
-// cannot come back yet; the limiter's Redis is flushed; 40 new tasks are
-// enqueued in queue B. In "call first", B's first booking call, on the
-// empty state, is answered before queue A resumes: the reply drops the
-// kept bookings before A's tasks come back. In "tasks first", A resumes
-// at once and B comes a second later: A's tasks come back and wait in
-// their handlers for the bookings they kept, until a reply after the loss
-// shows those bookings gone and wakes them to book again. (What no reply
-// can undo, kept bookings whose slots pass before the process's next call
-// for the key, is in WithBookedRetries's doc.)
+// tasks are enqueued in queue A, booked ahead and sent back; queue A is
+// paused, so that they cannot come back yet; the limiter's Redis is
+// flushed; 40 new tasks are enqueued in queue B. In "call first", B's
+// first booking call, on the empty state, is answered before queue A
+// resumes. In "tasks first", A resumes at once and B comes a second
+// later.
 //
 // The bound. A textbook GCRA that loses its state starts afresh with a
 // full burst: in a window of 1 s that spans the loss, the bookings made

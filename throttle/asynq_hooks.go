@@ -36,9 +36,12 @@ type RetryIndex struct {
 // A RetryBooking is BookRetry's answer.
 type RetryBooking struct {
 	Booking
-	// Recalled reports that Member was in the index: nothing was booked,
-	// and Booking holds the recorded slot (OK, At; Wait is 0 if the slot
-	// has passed). A recalled booking cannot be given back with Refund.
+	// Recalled reports that Member was in the index: nothing was booked
+	// (no decision is reported to the Observer: it was when the slot was
+	// booked), the entry is taken out, and Booking holds the recorded slot
+	// (OK, At; Wait is 0 if the slot has passed). A recalled booking
+	// cannot be given back with Refund; its caller can put it back in the
+	// index, until its slot, with RestoreRetry.
 	Recalled bool
 	// Recorded reports that the booking was recorded in the index.
 	Recorded bool
@@ -191,8 +194,7 @@ func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, r
 	if status == 2 {
 		out.Recalled = true
 		out.Booking = Booking{OK: true, N: req.N, Wait: time.Duration(max(wait, 0)) * time.Microsecond, At: time.UnixMicro(now + wait), now: now}
-		e.observer.ObserveDecision(label(keys[0]), Booked, out.Wait)
-		return out, nil
+		return out, nil // booked before, and reported then
 	}
 	if status < 0 || status > 3 {
 		return unread("unexpected reply: status %d", status)
@@ -227,4 +229,41 @@ func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, r
 	out.Booking = b
 	out.Recorded = status == 3
 	return out, nil
+}
+
+var restoreRetryScript = newScript(clockSrc + `
+local at = tonumber(ARGV[3])
+if at <= now then return 0 end
+if redis.call('ZADD', KEYS[1], 'NX', ARGV[3], ARGV[2]) == 0 then return 0 end
+local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+local ttl = math.ceil((tonumber(last[2]) - now + tonumber(ARGV[4])) / 1000) + 1
+redis.call('PEXPIRE', KEYS[1], string.format('%d', ttl))
+return 1
+`)
+
+// RestoreRetry puts the booking rb, recalled from the index idx.Key under
+// idx.Member by BookRetry, back in the index, for a later BookRetry of the
+// same member to recall again: for a caller that will not act on it after
+// all (package asynqadapter's task cut short before its slot, which asynq
+// runs again as the same attempt). It does so only while the slot has not
+// come on the Redis clock, so that no one can have acted on it, and only
+// if the member is not in the index again (booked anew meanwhile); it
+// reports whether it did. Other fields of idx are not used.
+func (e *Engine) RestoreRetry(ctx context.Context, idx RetryIndex, rb RetryBooking) (bool, error) {
+	if idx.Member == "" || strings.ContainsAny(idx.Member, "\x00") || !rb.Recalled || !rb.OK {
+		return false, fmt.Errorf("%w: retry index %q, member %q: want a member and a recalled booking", ErrInvalidRequest, idx.Key, idx.Member)
+	}
+	if err := CheckKey(idx.Key); err != nil {
+		return false, err
+	}
+	at := strconv.FormatInt(rb.At.UnixMicro(), 10)
+	reply, err := e.runReply(ctx, restoreRetryScript, []string{idx.Key}, []any{nowArg(ctx), idx.Member, at, int64(retrySpent / time.Microsecond)})
+	if err != nil {
+		return false, fmt.Errorf("throttle: restore retry %q: %w", idx.Key, err)
+	}
+	put, ok := reply.(int64)
+	if !ok {
+		return false, fmt.Errorf("throttle: restore retry %q: %w", idx.Key, unreadable(fmt.Errorf("unexpected reply %T", reply)))
+	}
+	return put == 1, nil
 }
