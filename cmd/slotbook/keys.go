@@ -30,6 +30,13 @@ func subjectPattern(prefix, name, subject string) string {
 // firstKey returns the key (before the prefix) of subject's first limit.
 func firstKey(name, subject string) string { return name + ":{" + subject + "}" }
 
+// furtherKey returns the key (before the prefix) of a further limit of
+// the given period, given the first limit's key: the period in whole
+// milliseconds, as package reserve names it (wire protocol 2).
+func furtherKey(first string, period time.Duration) string {
+	return first + ":" + strconv.FormatInt(period.Milliseconds(), 10) + "ms"
+}
+
 // parseKey splits a full key found under name into its subject and its
 // period (0 for the first limit's key). ok is false for a key that is no
 // limit's key of name (a tombstone, another name's key, a stray key).

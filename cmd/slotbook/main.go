@@ -268,8 +268,19 @@ func (v *viewer) read(ctx context.Context, only []string) ([]subject, error) {
 	return out, nil
 }
 
-// state reads one subject's keys (period -> key) in one call.
+// state reads one subject's keys (period -> key) in one call. Given the
+// limits, it reads every limit's key, found or not: an absent key is an
+// idle limit, whose burst still caps what is available (as Limiter.State).
 func (v *viewer) state(ctx context.Context, s string, byPeriod map[time.Duration]string) (subject, error) {
+	if len(v.c.limits) > 0 {
+		first := firstKey(v.name, s)
+		byPeriod[0] = first
+		for _, l := range v.c.limits[1:] {
+			if _, ok := byPeriod[l.Period]; !ok {
+				byPeriod[l.Period] = furtherKey(first, l.Period)
+			}
+		}
+	}
 	periods := make([]time.Duration, 0, len(byPeriod))
 	for p := range byPeriod {
 		periods = append(periods, p)
