@@ -39,6 +39,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/slotbook/slotbook/reserve"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -80,7 +81,7 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	fs.IntVar(&c.count, "count", 0, "watch: stop after N refreshes (0: until interrupted)")
 	fs.DurationVar(&c.timeout, "timeout", 2*time.Second, "bound on each Redis call")
 	fs.Var(&c.limits, "limit", "a limit of NAME, RATE/PERIOD[:BURST] (10/1s:5), to show waits and next free slots; "+
-		"repeat it for every limit, the first one first")
+		"repeat it for every limit, the first one first (no two of one period)")
 	if err := fs.Parse(args); err != nil {
 		return fmt.Errorf("%w: %w", errUsage, err)
 	}
@@ -93,23 +94,37 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		return fmt.Errorf("%w: slotbook [flags] inspect NAME [SUBJECT...] | watch NAME | reset NAME SUBJECT", errUsage)
 	}
 	name := rest[0]
-	if name == "" || strings.ContainsAny(name, ":{}") {
-		return fmt.Errorf("%w: limiter name %q must be non-empty and free of ':', '{' and '}'", errUsage, name)
-	}
 	if c.top < 0 || c.count < 0 || c.interval <= 0 || c.timeout <= 0 {
 		return fmt.Errorf("%w: -top and -count must not be negative, -interval and -timeout must be positive", errUsage)
 	}
-
-	db, err := connect(ctx, c.url)
+	opts, err := redis.ParseURL(c.url)
 	if err != nil {
-		return err
+		return fmt.Errorf("%w: -redis: %w", errUsage, err)
 	}
+	opts.ContextTimeoutEnabled = true
+	db := &db{client: redis.NewClient(opts)} // it connects at its first call
 	defer db.Close()
-	eng, err := throttle.New(db.client, throttle.WithPrefix(c.prefix), throttle.WithTimeout(c.timeout))
+	// Everything on the command line is checked by the library's own
+	// rules (package reserve's, for the name, the limits and the
+	// subjects) before any connection is made.
+	v, err := newViewer(db, c, name)
 	if err != nil {
+		return fmt.Errorf("%w: %w", errUsage, err)
+	}
+	for _, s := range rest[1:] {
+		if err := v.lim.CheckKey(s); err != nil {
+			return fmt.Errorf("%w: subject %q: %w", errUsage, s, err)
+		}
+	}
+
+	if err := db.connect(ctx, opts); err != nil {
 		return err
 	}
-	v := &viewer{db: db, eng: eng, c: c, name: name}
+	if db.cluster != nil { // the engine and limiter anew, over the Cluster client
+		if v, err = newViewer(db, c, name); err != nil {
+			return err
+		}
+	}
 	switch cmd {
 	case "inspect":
 		subjects, err := v.read(ctx, rest[1:])
@@ -132,29 +147,23 @@ type db struct {
 
 func (d *db) Close() error { return d.client.Close() }
 
-// connect opens url, and reopens it as a Cluster client if the server is
-// a Cluster node.
-func connect(ctx context.Context, url string) (*db, error) {
-	opts, err := redis.ParseURL(url)
+// connect asks the server opts names whether it is a Cluster node, and if
+// so replaces d's client by a Cluster client.
+func (d *db) connect(ctx context.Context, opts *redis.Options) error {
+	info, err := d.client.Info(ctx, "cluster").Result()
 	if err != nil {
-		return nil, fmt.Errorf("%w: -redis: %w", errUsage, err)
-	}
-	opts.ContextTimeoutEnabled = true
-	c := redis.NewClient(opts)
-	info, err := c.Info(ctx, "cluster").Result()
-	if err != nil {
-		_ = c.Close()
-		return nil, fmt.Errorf("redis %s: %w", opts.Addr, err)
+		return fmt.Errorf("redis %s: %w", opts.Addr, err)
 	}
 	if !strings.Contains(info, "cluster_enabled:1") {
-		return &db{client: c}, nil
+		return nil
 	}
-	_ = c.Close()
+	_ = d.client.Close()
 	cc := redis.NewClusterClient(&redis.ClusterOptions{
 		Addrs: []string{opts.Addr}, Username: opts.Username, Password: opts.Password,
 		TLSConfig: opts.TLSConfig, ContextTimeoutEnabled: true,
 	})
-	return &db{client: cc, cluster: cc}, nil
+	d.client, d.cluster = cc, cc
+	return nil
 }
 
 // scan returns every key matching pattern, on every master of a Cluster.
@@ -190,6 +199,28 @@ type viewer struct {
 	eng  *throttle.Engine
 	c    config
 	name string
+	// lim is limiter name as the -limit flags describe it. Without them
+	// its limit is a stand-in: it then serves only for reserve's checks
+	// of the subjects.
+	lim *reserve.Limiter
+}
+
+// newViewer builds the engine and limiter over db's client; it makes no
+// network call. Its errors are the command line's: the name or a limit.
+func newViewer(db *db, c config, name string) (*viewer, error) {
+	eng, err := throttle.New(db.client, throttle.WithPrefix(c.prefix), throttle.WithTimeout(c.timeout))
+	if err != nil {
+		return nil, err
+	}
+	first, more := throttle.Every(time.Second, 1, 0), []throttle.Limit(nil)
+	if len(c.limits) > 0 {
+		first, more = c.limits[0], c.limits[1:]
+	}
+	lim, err := reserve.New(eng, name, first, reserve.WithLimit(more...))
+	if err != nil {
+		return nil, err
+	}
+	return &viewer{db: db, eng: eng, c: c, name: name, lim: lim}, nil
 }
 
 // subject is one subject's reading, as printed.
@@ -227,10 +258,7 @@ func (v *viewer) read(ctx context.Context, only []string) ([]subject, error) {
 	patterns := []string{subjectPattern(v.c.prefix, v.name, "")}
 	if len(only) > 0 {
 		patterns = patterns[:0]
-		for _, s := range only {
-			if s == "" {
-				return nil, fmt.Errorf("%w: empty subject", errUsage)
-			}
+		for _, s := range only { // checked by run
 			found[s] = map[time.Duration]string{0: firstKey(v.name, s)}
 			patterns = append(patterns, subjectPattern(v.c.prefix, v.name, s))
 		}
@@ -389,10 +417,7 @@ func (v *viewer) watch(ctx context.Context, out io.Writer) error {
 
 // reset clears subject s in every limit whose key exists.
 func (v *viewer) reset(ctx context.Context, out io.Writer, s string) error {
-	if s == "" {
-		return fmt.Errorf("%w: empty subject", errUsage)
-	}
-	keys := []string{firstKey(v.name, s)}
+	keys := []string{firstKey(v.name, s)} // s was checked by run
 	found, err := v.db.scan(ctx, subjectPattern(v.c.prefix, v.name, s))
 	if err != nil {
 		return err

@@ -287,6 +287,13 @@ func TestUsage(t *testing.T) {
 		{"-interval", "0s", "watch", "api"},
 		{"-count", "-1", "watch", "api"},
 		{"-nosuchflag", "inspect", "api"},
+		// reserve's rules: no two limits of one period, a further limit's
+		// period in whole milliseconds, a subject with a hash tag.
+		{"-limit", "10/1s", "-limit", "20/1s", "inspect", "api"},
+		{"-limit", "10/1s", "-limit", "100/1m", "-limit", "50/60s", "inspect", "api"},
+		{"-limit", "10/1s", "-limit", "10/1500us", "inspect", "api"},
+		{"inspect", "api", "}"},
+		{"reset", "api", ""},
 	} {
 		err := run(context.Background(), append([]string{"-redis", "redis://127.0.0.1:1"}, args...), &bytes.Buffer{})
 		require.ErrorIs(t, err, errUsage, "%v", args)

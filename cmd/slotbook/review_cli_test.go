@@ -444,7 +444,7 @@ func TestReviewCLISpecialSubjects(t *testing.T) {
 	}
 }
 
-// FAILS on current code (finding 2).
+// Failed before the fix of finding 2 (bad subjects found after dialing).
 // TestReviewCLIUsageNoDial: bad command lines are usage errors (exit code
 // 2) found before any connection; the -redis address is a loopback
 // listener that counts connections (it speaks no Redis).
