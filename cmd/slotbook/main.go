@@ -101,8 +101,13 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("%w: -redis: %w", errUsage, err)
 	}
+	// -timeout bounds each call as a whole (retries, a dial and its
+	// handshake included) through the call's context (db.call); the
+	// client's own timeouts bound each step of what runs without one (a
+	// Cluster client's background refresh of its slots).
 	opts.ContextTimeoutEnabled = true
-	db := &db{client: redis.NewClient(opts)} // it connects at its first call
+	opts.DialTimeout, opts.ReadTimeout, opts.WriteTimeout = c.timeout, c.timeout, c.timeout
+	db := &db{client: redis.NewClient(opts), timeout: c.timeout} // it connects at its first call
 	defer db.Close()
 	// Everything on the command line is checked by the library's own
 	// rules (package reserve's, for the name, the limits and the
@@ -143,14 +148,22 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 type db struct {
 	client  redis.UniversalClient
 	cluster *redis.ClusterClient // nil for a single server
+	timeout time.Duration        // -timeout, the bound on each call
 }
 
 func (d *db) Close() error { return d.client.Close() }
 
+// call returns ctx bounded by -timeout, for one Redis call.
+func (d *db) call(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, d.timeout)
+}
+
 // connect asks the server opts names whether it is a Cluster node, and if
 // so replaces d's client by a Cluster client.
 func (d *db) connect(ctx context.Context, opts *redis.Options) error {
-	info, err := d.client.Info(ctx, "cluster").Result()
+	cctx, cancel := d.call(ctx)
+	info, err := d.client.Info(cctx, "cluster").Result()
+	cancel()
 	if err != nil {
 		return fmt.Errorf("redis %s: %w", opts.Addr, err)
 	}
@@ -161,35 +174,59 @@ func (d *db) connect(ctx context.Context, opts *redis.Options) error {
 	cc := redis.NewClusterClient(&redis.ClusterOptions{
 		Addrs: []string{opts.Addr}, Username: opts.Username, Password: opts.Password,
 		TLSConfig: opts.TLSConfig, ContextTimeoutEnabled: true,
+		DialTimeout: opts.DialTimeout, ReadTimeout: opts.ReadTimeout, WriteTimeout: opts.WriteTimeout,
 	})
 	d.client, d.cluster = cc, cc
 	return nil
 }
 
 // scan returns every key matching pattern, on every master of a Cluster.
+// Each SCAN call (and a Cluster's reading of its masters) is one call,
+// bounded by -timeout.
 func (d *db) scan(ctx context.Context, pattern string) ([]string, error) {
-	var (
-		mu   sync.Mutex // guards keys
-		keys []string
-	)
-	one := func(ctx context.Context, c *redis.Client) error {
-		it := c.Scan(ctx, 0, pattern, 1000).Iterator()
-		for it.Next(ctx) {
-			mu.Lock()
-			keys = append(keys, it.Val())
-			mu.Unlock()
-		}
-		return it.Err()
-	}
-	var err error
+	masters := []*redis.Client{}
 	if d.cluster != nil {
-		err = d.cluster.ForEachMaster(ctx, one)
+		var mu sync.Mutex // guards masters
+		cctx, cancel := d.call(ctx)
+		err := d.cluster.ForEachMaster(cctx, func(_ context.Context, c *redis.Client) error {
+			mu.Lock()
+			masters = append(masters, c)
+			mu.Unlock()
+			return nil
+		})
+		cancel()
+		if err != nil {
+			return nil, fmt.Errorf("scan %q: %w", pattern, err)
+		}
 	} else {
-		err = one(ctx, d.client.(*redis.Client))
+		masters = append(masters, d.client.(*redis.Client))
 	}
-	if err != nil {
+	found := make([][]string, len(masters))
+	errs := make([]error, len(masters))
+	var wg sync.WaitGroup
+	for i, c := range masters {
+		wg.Go(func() {
+			var cursor uint64
+			for {
+				cctx, cancel := d.call(ctx)
+				page, next, err := c.Scan(cctx, cursor, pattern, 1000).Result()
+				cancel()
+				if err != nil {
+					errs[i] = err
+					return
+				}
+				found[i] = append(found[i], page...)
+				if cursor = next; cursor == 0 {
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
 		return nil, fmt.Errorf("scan %q: %w", pattern, err)
 	}
+	keys := slices.Concat(found...)
 	slices.Sort(keys)
 	return slices.Compact(keys), nil
 }
@@ -319,7 +356,9 @@ func (v *viewer) state(ctx context.Context, s string, byPeriod map[time.Duration
 		keys[i] = byPeriod[p]
 	}
 	limits := v.c.limits.match(periods)
-	st, err := v.eng.State(ctx, keys, limits)
+	cctx, cancel := v.db.call(ctx)
+	st, err := v.eng.State(cctx, keys, limits)
+	cancel()
 	if err != nil {
 		return subject{}, err
 	}
@@ -427,7 +466,10 @@ func (v *viewer) reset(ctx context.Context, out io.Writer, s string) error {
 			keys = append(keys, strings.TrimPrefix(full, v.c.prefix))
 		}
 	}
-	if err := v.eng.Reset(ctx, keys...); err != nil {
+	cctx, cancel := v.db.call(ctx)
+	err = v.eng.Reset(cctx, keys...)
+	cancel()
+	if err != nil {
 		return err
 	}
 	if v.c.asJSON {

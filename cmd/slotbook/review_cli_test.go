@@ -571,7 +571,7 @@ func TestReviewCLIJSONSubjectFidelity(t *testing.T) {
 	require.Equal(t, []byte(s), []byte(fr.Top[0].Subject), "subject as printed by -json")
 }
 
-// FAILS on current code (finding 3).
+// Failed before the fix of finding 3 (-timeout bounded the scripts only).
 // TestReviewCLISlowRedis: with -timeout 300ms, a Redis 1 s away each way
 // must fail within a bound of a few timeouts, not the client library's
 // 3 s read timeout per call (with retries).
@@ -661,7 +661,7 @@ func TestReviewCLICluster(t *testing.T) {
 	}
 }
 
-// FAILS on current code (finding 3).
+// Failed before the fix of finding 3 (-timeout bounded the scripts only).
 // TestReviewCLISilentRedis: a Redis that accepts and never answers, with
 // -timeout 300ms: how long until inspect gives up.
 func TestReviewCLISilentRedis(t *testing.T) {
