@@ -13,6 +13,13 @@
 // master of a Redis Cluster (detected from the server). -json prints JSON
 // (one object per frame for watch).
 //
+// A subject's keys are read as the library reads them. A key left from
+// wire protocol version 1 (a further limit's key named after a Go
+// duration, ":24h0m0s", where version 2 writes ":86400000ms") is listed,
+// marked "protocol 1 key: not read" ("protocol1": true in JSON), but
+// counts in none of the subject's figures: the library does not read it
+// (docs/PROTOCOL.md, "Upgrading from version 1"). reset deletes it too.
+//
 //	go run ./cmd/slotbook -redis redis://127.0.0.1:6379/0 inspect partner-api
 //	go run ./cmd/slotbook -limit 10/1s:5 -limit 10000/24h inspect stripe tenant-42
 //	go run ./cmd/slotbook -interval 2s watch stripe
@@ -27,6 +34,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"os/signal"
 	"slices"
@@ -272,12 +280,17 @@ type subject struct {
 }
 
 type key struct {
-	Key     string    `json:"key"`
-	Period  duration  `json:"period,omitempty"` // 0: the first limit
-	Exists  bool      `json:"exists"`
-	TAT     time.Time `json:"tat,omitzero"`
-	Backlog duration  `json:"backlog"`
-	TTL     duration  `json:"ttl"` // negative: no expiry
+	Key    string   `json:"key"`
+	Period duration `json:"period,omitempty"` // 0: the first limit
+	// Protocol1 marks a key of wire protocol version 1's layout (a Go
+	// duration after the subject, ":24h0m0s"), left from before an upgrade:
+	// the library neither reads nor writes it, so it counts in none of the
+	// subject's figures (docs/PROTOCOL.md, "Upgrading from version 1").
+	Protocol1 bool      `json:"protocol1,omitempty"`
+	Exists    bool      `json:"exists"`
+	TAT       time.Time `json:"tat,omitzero"`
+	Backlog   duration  `json:"backlog"`
+	TTL       duration  `json:"ttl"` // negative: no expiry
 }
 
 // duration prints as Go's Duration string in text and as seconds in JSON.
@@ -291,12 +304,12 @@ func (d duration) MarshalJSON() ([]byte, error) {
 
 // read reads the given subjects of v's limiter, or every one found.
 func (v *viewer) read(ctx context.Context, only []string) ([]subject, error) {
-	found := map[string]map[time.Duration]string{} // subject -> period -> key (before the prefix)
+	found := map[string]*subjectKeys{}
 	patterns := []string{subjectPattern(v.c.prefix, v.name, "")}
 	if len(only) > 0 {
 		patterns = patterns[:0]
 		for _, s := range only { // checked by run
-			found[s] = map[time.Duration]string{0: firstKey(v.name, s)}
+			found[s] = &subjectKeys{live: map[time.Duration]string{}}
 			patterns = append(patterns, subjectPattern(v.c.prefix, v.name, s))
 		}
 	}
@@ -306,14 +319,19 @@ func (v *viewer) read(ctx context.Context, only []string) ([]subject, error) {
 			return nil, err
 		}
 		for _, full := range keys {
-			s, period, ok := parseKey(full, v.c.prefix, v.name)
+			s, period, v1, ok := parseKey(full, v.c.prefix, v.name)
 			if !ok || (len(only) > 0 && found[s] == nil) {
 				continue // a tombstone, or another subject matching the pattern
 			}
 			if found[s] == nil {
-				found[s] = map[time.Duration]string{}
+				found[s] = &subjectKeys{live: map[time.Duration]string{}}
 			}
-			found[s][period] = strings.TrimPrefix(full, v.c.prefix)
+			k := strings.TrimPrefix(full, v.c.prefix)
+			if v1 {
+				found[s].v1 = append(found[s].v1, k)
+			} else {
+				found[s].live[period] = k
+			}
 		}
 	}
 	out := make([]subject, 0, len(found))
@@ -333,13 +351,24 @@ func (v *viewer) read(ctx context.Context, only []string) ([]subject, error) {
 	return out, nil
 }
 
-// state reads one subject's keys (period -> key) in one call. Given the
-// limits, it reads every limit's key, found or not: an absent key is an
-// idle limit, whose burst still caps what is available (as Limiter.State).
-func (v *viewer) state(ctx context.Context, s string, byPeriod map[time.Duration]string) (subject, error) {
+// subjectKeys are the keys found of one subject (before the prefix).
+type subjectKeys struct {
+	live map[time.Duration]string // by period (0: the first limit's key)
+	v1   []string                 // of protocol version 1's layout, not read by the library
+}
+
+// state reads one subject's keys in one call: the first limit's key, found
+// or not (the library always reads it), and the further keys found. Given
+// the limits, it reads every limit's key, found or not: an absent key is
+// an idle limit, whose burst still caps what is available (as
+// Limiter.State). Keys of protocol version 1's layout, which the library
+// does not read, are read apart (a second call) and shown, but count in
+// none of the subject's figures.
+func (v *viewer) state(ctx context.Context, s string, found *subjectKeys) (subject, error) {
+	byPeriod := maps.Clone(found.live)
+	first := firstKey(v.name, s)
+	byPeriod[0] = first
 	if len(v.c.limits) > 0 {
-		first := firstKey(v.name, s)
-		byPeriod[0] = first
 		for _, l := range v.c.limits[1:] {
 			if _, ok := byPeriod[l.Period]; !ok {
 				byPeriod[l.Period] = furtherKey(first, l.Period)
@@ -372,6 +401,21 @@ func (v *viewer) state(ctx context.Context, s string, byPeriod map[time.Duration
 			Key: v.c.prefix + k.Key, Period: duration(periods[i]), Exists: k.Exists, TAT: k.TAT,
 			Backlog: duration(k.Backlog), TTL: duration(k.TTL),
 		})
+	}
+	for old := range slices.Chunk(found.v1, throttle.MaxLimits) {
+		cctx, cancel := v.db.call(ctx)
+		st, err := v.eng.State(cctx, old, nil)
+		cancel()
+		if err != nil {
+			return subject{}, err
+		}
+		for _, k := range st.Keys {
+			_, period, _, _ := parseKey(v.c.prefix+k.Key, v.c.prefix, v.name)
+			sub.Keys = append(sub.Keys, key{
+				Key: v.c.prefix + k.Key, Period: duration(period), Protocol1: true, Exists: k.Exists, TAT: k.TAT,
+				Backlog: duration(k.Backlog), TTL: duration(k.TTL),
+			})
+		}
 	}
 	return sub, nil
 }
@@ -407,6 +451,9 @@ func (v *viewer) print(out io.Writer, subjects []subject) error {
 				ttl = "(idle)"
 			case k.TTL < 0:
 				ttl = "none"
+			}
+			if k.Protocol1 {
+				ttl += " (protocol 1 key: not read)"
 			}
 			if i == 0 {
 				fmt.Fprintf(tw, "%q\t%v\t%s\t%s\t%s\t%s\t%s\n", s.Subject, s.Backlog, wait, next, avail, k.Key, ttl)
@@ -461,17 +508,25 @@ func (v *viewer) reset(ctx context.Context, out io.Writer, s string) error {
 	if err != nil {
 		return err
 	}
+	var old []string // of protocol version 1's layout: deleted too, in calls of their own
 	for _, full := range found {
-		if got, period, ok := parseKey(full, v.c.prefix, v.name); ok && got == s && period != 0 {
-			keys = append(keys, strings.TrimPrefix(full, v.c.prefix))
+		if got, period, v1, ok := parseKey(full, v.c.prefix, v.name); ok && got == s && period != 0 {
+			if v1 {
+				old = append(old, strings.TrimPrefix(full, v.c.prefix))
+			} else {
+				keys = append(keys, strings.TrimPrefix(full, v.c.prefix))
+			}
 		}
 	}
-	cctx, cancel := v.db.call(ctx)
-	err = v.eng.Reset(cctx, keys...)
-	cancel()
-	if err != nil {
-		return err
+	for batch := range slices.Chunk(slices.Concat(keys, old), throttle.MaxLimits) {
+		cctx, cancel := v.db.call(ctx)
+		err = v.eng.Reset(cctx, batch...)
+		cancel()
+		if err != nil {
+			return err
+		}
 	}
+	keys = append(keys, old...)
 	if v.c.asJSON {
 		return json.NewEncoder(out).Encode(map[string]any{"name": v.name, "subject": s, "reset": keys})
 	}

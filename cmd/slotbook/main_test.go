@@ -306,26 +306,36 @@ func TestParseKey(t *testing.T) {
 		key     string
 		subject string
 		period  time.Duration
+		v1      bool
 		ok      bool
 	}{
-		{"p:api:{t}", "t", 0, true},
-		{"p:api:{t}:86400000ms", "t", 24 * time.Hour, true},
-		{"p:api:{t}:24h0m0s", "t", 24 * time.Hour, true},
-		{"p:api:{t}:1000", "t", time.Second, true},
-		{"p:api:{a}:b}", "a}:b", 0, true},
-		{"p:api:{a}:b}:1m0s", "a}:b", time.Minute, true},
-		{"p:api:{t}:x:3k2j", "", 0, false},
-		{"p:api:{t}:-1s", "", 0, false},
-		{"p:api:{t}:0ms", "", 0, false},
-		{"p:apix:{t}", "", 0, false},
-		{"p:api:t", "", 0, false},
-		{"q:api:{t}", "", 0, false},
+		{"p:api:{t}", "t", 0, false, true},
+		{"p:api:{t}:86400000ms", "t", 24 * time.Hour, false, true},
+		{"p:api:{t}:500ms", "t", 500 * time.Millisecond, false, true}, // both layouts' name
+		{"p:api:{t}:24h0m0s", "t", 24 * time.Hour, true, true},
+		{"p:api:{t}:10s", "t", 10 * time.Second, true, true},
+		{"p:api:{t}:1.5ms", "t", 1500 * time.Microsecond, true, true},
+		{"p:api:{a}:b}", "a}:b", 0, false, true},
+		{"p:api:{a}:b}:1m0s", "a}:b", time.Minute, true, true},
+		{"p:api:{a}:b}:60000ms", "a}:b", time.Minute, false, true},
+		{"p:api:{t}:1000", "", 0, false, false}, // neither layout
+		{"p:api:{t}:24h", "", 0, false, false},  // not Duration.String's form
+		{"p:api:{t}:060000ms", "", 0, false, false},
+		{"p:api:{t}:+5ms", "", 0, false, false},
+		{"p:api:{t}:-5ms", "", 0, false, false},
+		{"p:api:{t}:x:3k2j", "", 0, false, false},
+		{"p:api:{t}:-1s", "", 0, false, false},
+		{"p:api:{t}:0ms", "", 0, false, false},
+		{"p:apix:{t}", "", 0, false, false},
+		{"p:api:t", "", 0, false, false},
+		{"q:api:{t}", "", 0, false, false},
 	}
 	for _, tc := range tests {
-		s, p, ok := parseKey(tc.key, "p:", "api")
+		s, p, v1, ok := parseKey(tc.key, "p:", "api")
 		require.Equal(t, tc.ok, ok, tc.key)
 		require.Equal(t, tc.subject, s, tc.key)
 		require.Equal(t, tc.period, p, tc.key)
+		require.Equal(t, tc.v1, v1, tc.key)
 	}
 }
 

@@ -704,7 +704,7 @@ func TestReviewCLICorruptKeyHidesListing(t *testing.T) {
 	require.Contains(t, out.String(), `"good"`)
 }
 
-// FAILS on current code (finding 4).
+// Failed before the fix of finding 4 (the old key hid the live one).
 // TestReviewCLIProtocol1KeyShadowsLive: after an upgrade, a subject can
 // hold both a version-1 further key ("…:10s", never read by version 2)
 // and the live version-2 key ("…:10000ms"). Inspect must show the live

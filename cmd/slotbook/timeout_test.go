@@ -40,7 +40,7 @@ func TestTimeoutEachCall(t *testing.T) {
 	for name, f := range map[string]func() error{
 		"scan": func() error { _, err := d.scan(ctx, subjectPattern(c.prefix, "api", "")); return err },
 		"state": func() error {
-			_, err := v.state(ctx, "s", map[time.Duration]string{0: firstKey("api", "s")})
+			_, err := v.state(ctx, "s", &subjectKeys{live: map[time.Duration]string{}})
 			return err
 		},
 		"reset": func() error { return v.reset(ctx, io.Discard, "s") },
