@@ -82,12 +82,12 @@ func parsePeriod(s string) (d time.Duration, v1, ok bool) {
 // globEscape escapes the characters SCAN's MATCH treats specially.
 func globEscape(s string) string {
 	var b strings.Builder
-	for _, r := range s {
-		switch r {
+	for i := range len(s) { // bytes, not runes: a subject need not be UTF-8
+		switch s[i] {
 		case '*', '?', '[', ']', '\\', '^', '-':
 			b.WriteByte('\\')
 		}
-		b.WriteRune(r)
+		b.WriteByte(s[i])
 	}
 	return b.String()
 }

@@ -11,7 +11,9 @@
 // FREE, on the Redis clock). Without -limit the wait is unknown: it
 // depends on the burst. Keys are found with SCAN (never KEYS), on every
 // master of a Redis Cluster (detected from the server). -json prints JSON
-// (one object per frame for watch).
+// (one object per frame for watch); a subject that is not valid UTF-8,
+// which a JSON string cannot carry, has its exact bytes in base64 as well
+// ("subject_base64", and "key_base64" for its keys).
 //
 // A subject's keys are read as the library reads them. A key left from
 // wire protocol version 1 (a further limit's key named after a Go
@@ -29,6 +31,7 @@ package main
 import (
 	"cmp"
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -44,6 +47,7 @@ import (
 	"syscall"
 	"text/tabwriter"
 	"time"
+	"unicode/utf8"
 
 	"github.com/redis/go-redis/v9"
 
@@ -270,18 +274,24 @@ func newViewer(db *db, c config, name string) (*viewer, error) {
 
 // subject is one subject's reading, as printed.
 type subject struct {
-	Subject   string    `json:"subject"`
-	Backlog   duration  `json:"backlog"`
-	Wait      *duration `json:"wait,omitempty"`      // with -limit
-	NextFree  time.Time `json:"next_free,omitzero"`  // with -limit
-	Available *int      `json:"available,omitempty"` // with -limit
-	Keys      []key     `json:"keys"`
-	backlog   time.Duration
+	Subject string `json:"subject"`
+	// SubjectBase64 holds the subject's exact bytes (standard base64) when
+	// they are not valid UTF-8, which a JSON string cannot carry: Subject
+	// then has U+FFFD in place of each invalid byte. The same holds for a
+	// key's KeyBase64.
+	SubjectBase64 string    `json:"subject_base64,omitempty"`
+	Backlog       duration  `json:"backlog"`
+	Wait          *duration `json:"wait,omitempty"`      // with -limit
+	NextFree      time.Time `json:"next_free,omitzero"`  // with -limit
+	Available     *int      `json:"available,omitempty"` // with -limit
+	Keys          []key     `json:"keys"`
+	backlog       time.Duration
 }
 
 type key struct {
-	Key    string   `json:"key"`
-	Period duration `json:"period,omitempty"` // 0: the first limit
+	Key       string   `json:"key"`
+	KeyBase64 string   `json:"key_base64,omitempty"` // see subject.SubjectBase64
+	Period    duration `json:"period,omitempty"`     // 0: the first limit
 	// Protocol1 marks a key of wire protocol version 1's layout (a Go
 	// duration after the subject, ":24h0m0s"), left from before an upgrade:
 	// the library neither reads nor writes it, so it counts in none of the
@@ -291,6 +301,15 @@ type key struct {
 	TAT       time.Time `json:"tat,omitzero"`
 	Backlog   duration  `json:"backlog"`
 	TTL       duration  `json:"ttl"` // negative: no expiry
+}
+
+// exact returns s in base64 if it is not valid UTF-8 (which JSON cannot
+// carry), else "".
+func exact(s string) string {
+	if utf8.ValidString(s) {
+		return ""
+	}
+	return base64.StdEncoding.EncodeToString([]byte(s))
 }
 
 // duration prints as Go's Duration string in text and as seconds in JSON.
@@ -391,14 +410,14 @@ func (v *viewer) state(ctx context.Context, s string, found *subjectKeys) (subje
 	if err != nil {
 		return subject{}, err
 	}
-	sub := subject{Subject: s, Backlog: duration(st.Backlog), backlog: st.Backlog}
+	sub := subject{Subject: s, SubjectBase64: exact(s), Backlog: duration(st.Backlog), backlog: st.Backlog}
 	if limits != nil {
 		w, a := duration(st.Wait), st.Available
 		sub.Wait, sub.NextFree, sub.Available = &w, st.NextFree, &a
 	}
 	for i, k := range st.Keys {
 		sub.Keys = append(sub.Keys, key{
-			Key: v.c.prefix + k.Key, Period: duration(periods[i]), Exists: k.Exists, TAT: k.TAT,
+			Key: v.c.prefix + k.Key, KeyBase64: exact(v.c.prefix + k.Key), Period: duration(periods[i]), Exists: k.Exists, TAT: k.TAT,
 			Backlog: duration(k.Backlog), TTL: duration(k.TTL),
 		})
 	}
@@ -412,7 +431,8 @@ func (v *viewer) state(ctx context.Context, s string, found *subjectKeys) (subje
 		for _, k := range st.Keys {
 			_, period, _, _ := parseKey(v.c.prefix+k.Key, v.c.prefix, v.name)
 			sub.Keys = append(sub.Keys, key{
-				Key: v.c.prefix + k.Key, Period: duration(period), Protocol1: true, Exists: k.Exists, TAT: k.TAT,
+				Key: v.c.prefix + k.Key, KeyBase64: exact(v.c.prefix + k.Key), Period: duration(period), Protocol1: true,
+				Exists: k.Exists, TAT: k.TAT,
 				Backlog: duration(k.Backlog), TTL: duration(k.TTL),
 			})
 		}
@@ -528,7 +548,15 @@ func (v *viewer) reset(ctx context.Context, out io.Writer, s string) error {
 	}
 	keys = append(keys, old...)
 	if v.c.asJSON {
-		return json.NewEncoder(out).Encode(map[string]any{"name": v.name, "subject": s, "reset": keys})
+		res := map[string]any{"name": v.name, "subject": s, "reset": keys}
+		if b64 := exact(s); b64 != "" {
+			all := make([]string, len(keys))
+			for i, k := range keys {
+				all[i] = base64.StdEncoding.EncodeToString([]byte(k))
+			}
+			res["subject_base64"], res["reset_base64"] = b64, all
+		}
+		return json.NewEncoder(out).Encode(res)
 	}
 	fmt.Fprintf(out, "%s %q: reset (%s)\n", v.name, s, strings.Join(keys, ", "))
 	return nil

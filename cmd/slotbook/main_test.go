@@ -339,6 +339,14 @@ func TestParseKey(t *testing.T) {
 	}
 }
 
+// TestGlobEscape: SCAN's special characters are escaped, and bytes that
+// are not UTF-8 pass as they are (not as U+FFFD).
+func TestGlobEscape(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, `p\*:api:{a\?\[b\]\\c\^\-d}`, globEscape(`p*:api:{a?[b]\c^-d}`))
+	require.Equal(t, "bin\xff\xfe\\*", globEscape("bin\xff\xfe*"))
+}
+
 type syncBuffer struct {
 	mu  sync.Mutex // guards buf
 	buf bytes.Buffer

@@ -7,6 +7,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -556,19 +557,75 @@ func TestReviewCLIWatchStops(t *testing.T) {
 	}
 }
 
-// FAILS on current code (finding 5).
+// Failed before the fix of finding 5 (-json mangled a non-UTF-8 subject).
 // TestReviewCLIJSONSubjectFidelity: -json is for scripts: the subject and
 // key it prints must be the ones in Redis (so that a script can reset
 // them). A subject that is not valid UTF-8 is legal to the library.
+//
+// The review's assertion, that the "subject" string itself decodes to the
+// exact bytes, cannot hold: a JSON string carries Unicode text only, and
+// encoding/json decodes invalid bytes (raw or escaped) as U+FFFD. The
+// exact bytes are in "subject_base64" and "key_base64" instead (present
+// only for such subjects), which is what is checked here, with a reset
+// of the decoded subject and a named inspect of it.
 func TestReviewCLIJSONSubjectFidelity(t *testing.T) {
 	t.Parallel()
 	e := rvNewEnv(t, "")
 	lim := e.limiter(t, "api", throttle.Every(10*time.Second, 1, 1))
 	s := "bin\xff\xfe"
 	e.book(t, lim, s, 2)
-	fr := e.runJSON(t, "inspect", "api")
+	e.book(t, lim, "plain", 1)
+	type exactFrame struct {
+		Top []struct {
+			Subject       string `json:"subject"`
+			SubjectBase64 string `json:"subject_base64"`
+			Keys          []struct {
+				Key       string `json:"key"`
+				KeyBase64 string `json:"key_base64"`
+			} `json:"keys"`
+		} `json:"top"`
+	}
+	var fr exactFrame
+	out := e.run(t, "-json", "inspect", "api")
+	require.NoError(t, json.Unmarshal([]byte(out), &fr), out)
+	require.Len(t, fr.Top, 2)
+	require.Equal(t, s, string(rvBase64(t, fr.Top[0].SubjectBase64)), "subject as printed by -json")
+	require.Equal(t, keys0(e.prefix, s), string(rvBase64(t, fr.Top[0].Keys[0].KeyBase64)), "key as printed by -json")
+	require.Equal(t, "bin\uFFFD\uFFFD", fr.Top[0].Subject, "the text form, as JSON can carry it")
+	require.Equal(t, "plain", fr.Top[1].Subject)
+	require.Empty(t, fr.Top[1].SubjectBase64, "only for subjects that are not UTF-8")
+	require.Empty(t, fr.Top[1].Keys[0].KeyBase64)
+
+	// A script can name the subject back: inspect and reset it.
+	exact := string(rvBase64(t, fr.Top[0].SubjectBase64))
+	fr = exactFrame{}
+	out = e.run(t, "-json", "inspect", "api", exact)
+	require.NoError(t, json.Unmarshal([]byte(out), &fr), out)
 	require.Len(t, fr.Top, 1)
-	require.Equal(t, []byte(s), []byte(fr.Top[0].Subject), "subject as printed by -json")
+	require.Len(t, fr.Top[0].Keys, 1)
+	require.Equal(t, keys0(e.prefix, s), string(rvBase64(t, fr.Top[0].Keys[0].KeyBase64)))
+	_, ok := e.tatOf(t, keys0(e.prefix, s))
+	require.True(t, ok)
+	var res struct {
+		SubjectBase64 string   `json:"subject_base64"`
+		ResetBase64   []string `json:"reset_base64"`
+	}
+	out = e.run(t, "-json", "reset", "api", exact)
+	require.NoError(t, json.Unmarshal([]byte(out), &res), out)
+	require.Equal(t, s, string(rvBase64(t, res.SubjectBase64)))
+	require.Len(t, res.ResetBase64, 1)
+	require.Equal(t, "api:{"+s+"}", string(rvBase64(t, res.ResetBase64[0])))
+	_, ok = e.tatOf(t, keys0(e.prefix, s))
+	require.False(t, ok, "reset of the subject named from subject_base64")
+	_, ok = e.tatOf(t, keys0(e.prefix, "plain"))
+	require.True(t, ok)
+}
+
+func rvBase64(t *testing.T, s string) []byte {
+	t.Helper()
+	b, err := base64.StdEncoding.DecodeString(s)
+	require.NoError(t, err, s)
+	return b
 }
 
 // Failed before the fix of finding 3 (-timeout bounded the scripts only).
