@@ -22,6 +22,11 @@
 // counts in none of the subject's figures: the library does not read it
 // (docs/PROTOCOL.md, "Upgrading from version 1"). reset deletes it too.
 //
+// A subject whose key holds a value that is not a TAT (corrupt; reset
+// clears it) is listed first, as unreadable, with the reason ("error" in
+// JSON), and the others as usual; inspect then fails (exit code 1) after
+// printing, while watch goes on.
+//
 //	go run ./cmd/slotbook -redis redis://127.0.0.1:6379/0 inspect partner-api
 //	go run ./cmd/slotbook -limit 10/1s:5 -limit 10000/24h inspect stripe tenant-42
 //	go run ./cmd/slotbook -interval 2s watch stripe
@@ -148,7 +153,10 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		if err != nil {
 			return err
 		}
-		return v.print(out, subjects)
+		if err := v.print(out, subjects); err != nil {
+			return err
+		}
+		return unreadable(subjects)
 	case "watch":
 		return v.watch(ctx, out)
 	default:
@@ -285,7 +293,31 @@ type subject struct {
 	NextFree      time.Time `json:"next_free,omitzero"`  // with -limit
 	Available     *int      `json:"available,omitempty"` // with -limit
 	Keys          []key     `json:"keys"`
-	backlog       time.Duration
+	// Error is why the subject could not be read (a corrupt value, which
+	// reset clears); the reading then has no figures and no keys.
+	Error   string `json:"error,omitempty"`
+	backlog time.Duration
+	err     error
+}
+
+// unreadable returns an error naming the subjects that could not be read,
+// if any: after the listing of the others, the command fails (exit code 1).
+func unreadable(subjects []subject) error {
+	var bad []string
+	for _, s := range subjects {
+		if s.err != nil {
+			bad = append(bad, strconv.Quote(s.Subject))
+		}
+	}
+	if len(bad) == 0 {
+		return nil
+	}
+	n := len(bad)
+	if n > 5 {
+		bad = append(bad[:5], "...")
+	}
+	return fmt.Errorf("%d of %d subjects unreadable (%s); reset clears a corrupt subject",
+		n, len(subjects), strings.Join(bad, ", "))
 }
 
 type key struct {
@@ -357,11 +389,23 @@ func (v *viewer) read(ctx context.Context, only []string) ([]subject, error) {
 	for s, keys := range found {
 		sub, err := v.state(ctx, s, keys)
 		if err != nil {
-			return nil, err
+			// A value that is no TAT (or a key the engine refuses) is this
+			// subject's trouble alone: it is reported in its place, and the
+			// others are listed. Anything else (Redis away) ends the reading.
+			if !errors.Is(err, throttle.ErrCorruptState) && !errors.Is(err, throttle.ErrInvalidRequest) {
+				return nil, err
+			}
+			sub = subject{Subject: s, SubjectBase64: exact(s), Error: err.Error(), Keys: []key{}, err: err}
 		}
 		out = append(out, sub)
 	}
-	slices.SortFunc(out, func(a, b subject) int {
+	slices.SortFunc(out, func(a, b subject) int { // the unreadable first, then the most backed up
+		if a.err != nil != (b.err != nil) {
+			if a.err != nil {
+				return -1
+			}
+			return 1
+		}
 		if c := cmp.Compare(b.backlog, a.backlog); c != 0 {
 			return c
 		}
@@ -460,6 +504,10 @@ func (v *viewer) print(out io.Writer, subjects []subject) error {
 	fmt.Fprintf(tw, "%s: %d subjects (%s)\n", v.name, f.Subjects, f.At.Format(time.RFC3339))
 	fmt.Fprintln(tw, "SUBJECT\tBACKLOG\tWAIT\tNEXT FREE\tAVAILABLE\tKEY\tTTL")
 	for _, s := range f.Top {
+		if s.err != nil {
+			fmt.Fprintf(tw, "%q\t?\t-\t-\t-\t(unreadable: see below)\t-\n", s.Subject)
+			continue
+		}
 		wait, next, avail := "-", "-", "-"
 		if s.Wait != nil {
 			wait, next, avail = s.Wait.String(), s.NextFree.Format("15:04:05.000"), strconv.Itoa(*s.Available)
@@ -482,7 +530,15 @@ func (v *viewer) print(out io.Writer, subjects []subject) error {
 			}
 		}
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	for _, s := range f.Top {
+		if s.err != nil {
+			fmt.Fprintf(out, "%q unreadable: %v\n", s.Subject, s.err)
+		}
+	}
+	return nil
 }
 
 // watch prints a reading every interval until ctx ends or count readings
