@@ -8,9 +8,10 @@
 // For each subject it shows how far ahead slots are booked (BACKLOG, until
 // the stored TAT), each key's time to live, and, given the limits with
 // -limit, the wait a request made now would get and its slot (WAIT, NEXT
-// FREE, on the Redis clock). Without -limit the wait is unknown: it
-// depends on the burst. Keys are found with SCAN (never KEYS), on every
-// master of a Redis Cluster (detected from the server). -json prints JSON
+// FREE, on the Redis clock; with its date when a day or more away).
+// Without -limit the wait is unknown: it depends on the burst. Keys are
+// found with SCAN (never KEYS), on every master of a Redis Cluster
+// (detected from the server). -json prints JSON
 // (one object per frame for watch); a subject that is not valid UTF-8,
 // which a JSON string cannot carry, has its exact bytes in base64 as well
 // ("subject_base64", and "key_base64" for its keys).
@@ -297,6 +298,7 @@ type subject struct {
 	// reset clears); the reading then has no figures and no keys.
 	Error   string `json:"error,omitempty"`
 	backlog time.Duration
+	now     time.Time // of the reading, on the Redis clock
 	err     error
 }
 
@@ -454,7 +456,7 @@ func (v *viewer) state(ctx context.Context, s string, found *subjectKeys) (subje
 	if err != nil {
 		return subject{}, err
 	}
-	sub := subject{Subject: s, SubjectBase64: exact(s), Backlog: duration(st.Backlog), backlog: st.Backlog}
+	sub := subject{Subject: s, SubjectBase64: exact(s), Backlog: duration(st.Backlog), backlog: st.Backlog, now: st.Now}
 	if limits != nil {
 		w, a := duration(st.Wait), st.Available
 		sub.Wait, sub.NextFree, sub.Available = &w, st.NextFree, &a
@@ -511,6 +513,9 @@ func (v *viewer) print(out io.Writer, subjects []subject) error {
 		wait, next, avail := "-", "-", "-"
 		if s.Wait != nil {
 			wait, next, avail = s.Wait.String(), s.NextFree.Format("15:04:05.000"), strconv.Itoa(*s.Available)
+			if s.NextFree.Sub(s.now) >= 24*time.Hour { // the time of day alone would be ambiguous
+				next = s.NextFree.Format("2006-01-02 15:04:05.000")
+			}
 		}
 		for i, k := range s.Keys {
 			ttl := k.TTL.String()
