@@ -5,6 +5,10 @@
 //	slotbook [flags] watch NAME                  the same, refreshed every -interval
 //	slotbook [flags] reset NAME SUBJECT          clear a subject in every limit
 //
+// Flags go before the command: after it, an argument that names a flag
+// is a usage error; "--" before a subject that looks like one ("inspect
+// api -- -json") takes it as it is.
+//
 // For each subject it shows how far ahead slots are booked (BACKLOG, until
 // the stored TAT), each key's time to live, and, given the limits with
 // -limit, the wait a request made now would get and its slot (WAIT, NEXT
@@ -104,6 +108,18 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 		return fmt.Errorf("%w: %w", errUsage, err)
 	}
 	cmd, rest := fs.Arg(0), fs.Args()[min(1, fs.NArg()):]
+	// Flags go before the command: one after it ("inspect api -json") is a
+	// mistake, not a subject. "--" lets later arguments that look like
+	// flags through as they are.
+	for i, a := range rest {
+		if a == "--" {
+			rest = slices.Delete(slices.Clone(rest), i, i+1)
+			break
+		}
+		if n := flagName(a); n != "" && fs.Lookup(n) != nil {
+			return fmt.Errorf("%w: flag %s after the command: flags go before it (\"--\" first for a subject that looks like a flag)", errUsage, a)
+		}
+	}
 	switch {
 	case cmd == "inspect" && len(rest) >= 1,
 		cmd == "watch" && len(rest) == 1,
@@ -163,6 +179,18 @@ func run(ctx context.Context, args []string, out io.Writer) error {
 	default:
 		return v.reset(ctx, out, rest[1])
 	}
+}
+
+// flagName returns the name of the flag a would set ("-json", "--top=3"),
+// or "" if a does not look like a flag.
+func flagName(a string) string {
+	n, ok := strings.CutPrefix(a, "-")
+	if !ok {
+		return ""
+	}
+	n = strings.TrimPrefix(n, "-")
+	n, _, _ = strings.Cut(n, "=")
+	return n
 }
 
 // db is a connection to a Redis server or Cluster.

@@ -294,6 +294,11 @@ func TestUsage(t *testing.T) {
 		{"-limit", "10/1s", "-limit", "10/1500us", "inspect", "api"},
 		{"inspect", "api", "}"},
 		{"reset", "api", ""},
+		// a flag after the command is no subject
+		{"inspect", "api", "-json"},
+		{"inspect", "api", "a", "--top=3"},
+		{"reset", "api", "-json"},
+		{"watch", "api", "-count", "2"},
 	} {
 		err := run(context.Background(), append([]string{"-redis", "redis://127.0.0.1:1"}, args...), &bytes.Buffer{})
 		require.ErrorIs(t, err, errUsage, "%v", args)
