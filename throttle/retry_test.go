@@ -35,12 +35,16 @@ func TestNoRetryAfterSend(t *testing.T) {
 	require.NoError(t, err)
 
 	proxy.SetReplyDelay(time.Hour) // the reply is held until the connection is severed
+	watch := t.Context() // ends with the test: the watch below never outlives it
 	go func() {
 		// Once the script has run (the key moved on), the connection
 		// breaks with its reply in flight.
 		for {
-			if v, err := direct.Get(ctx, prefix+"k").Int64(); err == nil && v != first {
+			if v, err := direct.Get(watch, prefix+"k").Int64(); err == nil && v != first {
 				break
+			}
+			if watch.Err() != nil {
+				return
 			}
 			time.Sleep(time.Millisecond)
 		}
@@ -54,6 +58,13 @@ func TestNoRetryAfterSend(t *testing.T) {
 	require.ErrorIs(t, err, throttle.ErrUnavailable)
 	stored, err := direct.Get(ctx, prefix+"k").Int64()
 	require.NoError(t, err)
+	if stored == first {
+		// The call never reached Redis: once, on a busy machine, it went
+		// out on a new connection, whose handshake the held replies
+		// stalled until go-redis's dial timeout (5 s). Nothing was sent
+		// twice either, but the scene was not set.
+		t.Skip("the call never ran (a new connection's handshake stalled by the held replies): no lost reply to judge")
+	}
 	require.Equal(t, first+time.Hour.Microseconds(), stored, "one booking, not two")
 }
 
