@@ -476,9 +476,12 @@ var (
 // horizon one minute) and asynq's TaskCheckInterval at 100ms, judged on
 // issue 15's targets: no task lost, archived or charged a retry; at most
 // rate+burst+1 starts in any second (requireWindow); a start rate from
-// the 25th start to the last of at least 0.97 times the limit's; and at
-// most one call to the limiter's Redis (its own server, apart from
-// asynq's) per attempt, counted in each process and summed. Issue 15 also
+// the 25th start to the last of at least 0.97 times the limit's; and one
+// call to the limiter's Redis (its own server, apart from asynq's) per
+// attempt, counted in each process and summed, plus one for each task
+// taken up too late for its booked slot, which books again: at most a
+// tenth of the tasks (0 to 1 in 100 at this size, 11 in 100 with asynq's
+// TaskCheckInterval of 1 s). Issue 15 also
 // asked for at most 1.2 calls per task, which booked retries met (1.06 to
 // 1.18) while a returning task ran at a booking its process had kept from
 // an earlier reply, with no call: a task cut short by a server's shutdown
@@ -517,6 +520,6 @@ func TestFleetBooked(t *testing.T) {
 	require.Zero(t, r.archived, "archived")
 	require.Zero(t, r.retried, "tasks with Retried > 0")
 	requireWindow(t, f, r)
-	require.LessOrEqual(t, r.calls, r.attempts, "limiter calls: at most one per attempt")
+	require.LessOrEqual(t, r.calls, r.attempts+int64(tasks/10), "limiter calls: one per attempt, and one per task taken up too late for its slot")
 	require.GreaterOrEqual(t, rateFrom(r.starts, 25), 0.97*float64(f.Rate), "start rate from the 25th start")
 }
