@@ -390,7 +390,10 @@ func (v *viewer) read(ctx context.Context, only []string) ([]subject, error) {
 	if len(only) > 0 {
 		patterns = patterns[:0]
 		for _, s := range only { // checked by run
-			found[s] = &subjectKeys{live: map[time.Duration]string{}}
+			if found[s] != nil {
+				continue // named twice
+			}
+			found[s] = newSubjectKeys()
 			patterns = append(patterns, subjectPattern(v.c.prefix, v.name, s))
 		}
 	}
@@ -405,11 +408,13 @@ func (v *viewer) read(ctx context.Context, only []string) ([]subject, error) {
 				continue // a tombstone, or another subject matching the pattern
 			}
 			if found[s] == nil {
-				found[s] = &subjectKeys{live: map[time.Duration]string{}}
+				found[s] = newSubjectKeys()
 			}
+			// A key is found once per pattern that matches it: named
+			// subjects' patterns overlap ("a" matches the keys of "a}").
 			k := strings.TrimPrefix(full, v.c.prefix)
 			if v1 {
-				found[s].v1 = append(found[s].v1, k)
+				found[s].v1[k] = struct{}{}
 			} else {
 				found[s].live[period] = k
 			}
@@ -444,10 +449,15 @@ func (v *viewer) read(ctx context.Context, only []string) ([]subject, error) {
 	return out, nil
 }
 
-// subjectKeys are the keys found of one subject (before the prefix).
+// subjectKeys are the keys found of one subject (before the prefix), each
+// once.
 type subjectKeys struct {
 	live map[time.Duration]string // by period (0: the first limit's key)
-	v1   []string                 // of protocol version 1's layout, not read by the library
+	v1   map[string]struct{}      // of protocol version 1's layout, not read by the library
+}
+
+func newSubjectKeys() *subjectKeys {
+	return &subjectKeys{live: map[time.Duration]string{}, v1: map[string]struct{}{}}
 }
 
 // state reads one subject's keys in one call: the first limit's key, found
@@ -495,7 +505,7 @@ func (v *viewer) state(ctx context.Context, s string, found *subjectKeys) (subje
 			Backlog: duration(k.Backlog), TTL: duration(k.TTL),
 		})
 	}
-	for old := range slices.Chunk(found.v1, throttle.MaxLimits) {
+	for old := range slices.Chunk(slices.Sorted(maps.Keys(found.v1)), throttle.MaxLimits) {
 		cctx, cancel := v.db.call(ctx)
 		st, err := v.eng.State(cctx, old, nil)
 		cancel()
