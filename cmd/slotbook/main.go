@@ -27,8 +27,8 @@
 // counts in none of the subject's figures: the library does not read it
 // (docs/PROTOCOL.md, "Upgrading from version 1"). reset deletes it too.
 //
-// A subject whose key holds a value that is not a TAT (corrupt; reset
-// clears it) is listed first, as unreadable, with the reason ("error" in
+// A subject whose key holds a value that is not a TAT (corrupt, or of
+// another Redis type: WRONGTYPE; reset clears it) is listed first, as unreadable, with the reason ("error" in
 // JSON), and the others as usual; inspect then fails (exit code 1) after
 // printing, while watch goes on.
 //
@@ -424,10 +424,11 @@ func (v *viewer) read(ctx context.Context, only []string) ([]subject, error) {
 	for s, keys := range found {
 		sub, err := v.state(ctx, s, keys)
 		if err != nil {
-			// A value that is no TAT (or a key the engine refuses) is this
-			// subject's trouble alone: it is reported in its place, and the
-			// others are listed. Anything else (Redis away) ends the reading.
-			if !errors.Is(err, throttle.ErrCorruptState) && !errors.Is(err, throttle.ErrInvalidRequest) {
+			// A value that is no TAT (a corrupt one, or a key of another
+			// Redis type), or a key the engine refuses, is this subject's
+			// trouble alone: it is reported in its place, and the others are
+			// listed. Anything else (Redis away) ends the reading.
+			if !subjectError(err) {
 				return nil, err
 			}
 			sub = subject{Subject: s, SubjectBase64: exact(s), Error: err.Error(), Keys: []key{}, err: err}
@@ -447,6 +448,15 @@ func (v *viewer) read(ctx context.Context, only []string) ([]subject, error) {
 		return strings.Compare(a.Subject, b.Subject)
 	})
 	return out, nil
+}
+
+// subjectError reports whether err, of reading one subject, is that
+// subject's own: a value that is not a TAT (ErrCorruptState, or WRONGTYPE
+// for a key holding a list, a hash...; reset clears both), or a key the
+// engine refuses.
+func subjectError(err error) bool {
+	return errors.Is(err, throttle.ErrCorruptState) || errors.Is(err, throttle.ErrInvalidRequest) ||
+		redis.HasErrorPrefix(err, "WRONGTYPE")
 }
 
 // subjectKeys are the keys found of one subject (before the prefix), each

@@ -104,10 +104,11 @@ func TestReviewCL2DuplicateProtocol1Key(t *testing.T) {
 	}
 }
 
-// FINDING (fails): a key that holds a value of the wrong type (a list
-// where a TAT belongs: a value that is not a TAT) still hides every other
-// subject: the WRONGTYPE reply is not ErrCorruptState, so read ends with
-// an error and nothing is printed, although reset clears it (DEL).
+// FINDING (fixed): a key that holds a value of the wrong type (a list
+// where a TAT belongs: a value that is not a TAT) hid every other
+// subject: the WRONGTYPE reply is not ErrCorruptState, so read ended with
+// an error and nothing was printed, although reset clears it (DEL). It is
+// now listed as unreadable, as a corrupt value is.
 func TestReviewCL2WrongTypeHidesListing(t *testing.T) {
 	t.Parallel()
 	e := rvNewEnv(t, "")
