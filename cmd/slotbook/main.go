@@ -334,9 +334,13 @@ type subject struct {
 // if any: after the listing of the others, the command fails (exit code 1).
 func unreadable(subjects []subject) error {
 	var bad []string
+	hint := "" // reset is suggested only for a value that is not a TAT
 	for _, s := range subjects {
 		if s.err != nil {
 			bad = append(bad, strconv.Quote(s.Subject))
+			if corrupt(s.err) {
+				hint = "; reset clears a corrupt subject"
+			}
 		}
 	}
 	if len(bad) == 0 {
@@ -346,8 +350,8 @@ func unreadable(subjects []subject) error {
 	if n > 5 {
 		bad = append(bad[:5], "...")
 	}
-	return fmt.Errorf("%d of %d subjects unreadable (%s); reset clears a corrupt subject",
-		n, len(subjects), strings.Join(bad, ", "))
+	return fmt.Errorf("%d of %d subjects unreadable (%s)%s",
+		n, len(subjects), strings.Join(bad, ", "), hint)
 }
 
 type key struct {
@@ -455,8 +459,13 @@ func (v *viewer) read(ctx context.Context, only []string) ([]subject, error) {
 // for a key holding a list, a hash...; reset clears both), or a key the
 // engine refuses.
 func subjectError(err error) bool {
-	return errors.Is(err, throttle.ErrCorruptState) || errors.Is(err, throttle.ErrInvalidRequest) ||
-		redis.HasErrorPrefix(err, "WRONGTYPE")
+	return corrupt(err) || errors.Is(err, throttle.ErrInvalidRequest)
+}
+
+// corrupt reports whether err is of a key whose value is not a TAT
+// (ErrCorruptState, WRONGTYPE): the case reset is the way out of.
+func corrupt(err error) bool {
+	return errors.Is(err, throttle.ErrCorruptState) || redis.HasErrorPrefix(err, "WRONGTYPE")
 }
 
 // subjectKeys are the keys found of one subject (before the prefix), each
@@ -470,13 +479,14 @@ func newSubjectKeys() *subjectKeys {
 	return &subjectKeys{live: map[time.Duration]string{}, v1: map[string]struct{}{}}
 }
 
-// state reads one subject's keys in one call: the first limit's key, found
-// or not (the library always reads it), and the further keys found. Given
-// the limits, it reads every limit's key, found or not: an absent key is
-// an idle limit, whose burst still caps what is available (as
-// Limiter.State). Keys of protocol version 1's layout, which the library
-// does not read, are read apart (a second call) and shown, but count in
-// none of the subject's figures.
+// state reads one subject's keys: the first limit's key, found or not (the
+// library always reads it), and the further keys found. Given the limits,
+// it reads every limit's key, found or not: an absent key is an idle
+// limit, whose burst still caps what is available (as Limiter.State).
+// Keys are read MaxLimits to a call: a subject may hold more live keys
+// than one limiter has (left by several configurations of it). Keys of
+// protocol version 1's layout, which the library does not read, are read
+// apart and shown, but count in none of the subject's figures.
 func (v *viewer) state(ctx context.Context, s string, found *subjectKeys) (subject, error) {
 	byPeriod := maps.Clone(found.live)
 	first := firstKey(v.name, s)
@@ -497,24 +507,40 @@ func (v *viewer) state(ctx context.Context, s string, found *subjectKeys) (subje
 	for i, p := range periods {
 		keys[i] = byPeriod[p]
 	}
+	// Given limits that match every key, there is one key per limit: one
+	// call, whose figures are the subject's (wait, available). Otherwise
+	// keys are read without limits, MaxLimits to a call, and the backlog
+	// is the longest of them.
 	limits := v.c.limits.match(periods)
-	cctx, cancel := v.db.call(ctx)
-	st, err := v.eng.State(cctx, keys, limits)
-	cancel()
-	if err != nil {
-		return subject{}, err
+	sub := subject{Subject: s, SubjectBase64: exact(s)}
+	for i := 0; i < len(keys); i += throttle.MaxLimits {
+		j := min(i+throttle.MaxLimits, len(keys))
+		var ls []throttle.Limit
+		if limits != nil {
+			ls = limits[i:j]
+		}
+		cctx, cancel := v.db.call(ctx)
+		st, err := v.eng.State(cctx, keys[i:j], ls)
+		cancel()
+		if err != nil {
+			return subject{}, err
+		}
+		if i == 0 {
+			sub.now = st.Now
+			if limits != nil {
+				w, a := duration(st.Wait), st.Available
+				sub.Wait, sub.NextFree, sub.Available = &w, st.NextFree, &a
+			}
+		}
+		sub.backlog = max(sub.backlog, st.Backlog)
+		for n, k := range st.Keys {
+			sub.Keys = append(sub.Keys, key{
+				Key: v.c.prefix + k.Key, KeyBase64: exact(v.c.prefix + k.Key), Period: duration(periods[i+n]), Exists: k.Exists, TAT: k.TAT,
+				Backlog: duration(k.Backlog), TTL: duration(k.TTL),
+			})
+		}
 	}
-	sub := subject{Subject: s, SubjectBase64: exact(s), Backlog: duration(st.Backlog), backlog: st.Backlog, now: st.Now}
-	if limits != nil {
-		w, a := duration(st.Wait), st.Available
-		sub.Wait, sub.NextFree, sub.Available = &w, st.NextFree, &a
-	}
-	for i, k := range st.Keys {
-		sub.Keys = append(sub.Keys, key{
-			Key: v.c.prefix + k.Key, KeyBase64: exact(v.c.prefix + k.Key), Period: duration(periods[i]), Exists: k.Exists, TAT: k.TAT,
-			Backlog: duration(k.Backlog), TTL: duration(k.TTL),
-		})
-	}
+	sub.Backlog = duration(sub.backlog)
 	for old := range slices.Chunk(slices.Sorted(maps.Keys(found.v1)), throttle.MaxLimits) {
 		cctx, cancel := v.db.call(ctx)
 		st, err := v.eng.State(cctx, old, nil)

@@ -131,12 +131,12 @@ func TestReviewCL2WrongTypeHidesListing(t *testing.T) {
 	require.NoError(t, err)
 }
 
-// FINDING (fails): a subject with more live keys than one State call
+// FINDING (fixed): a subject with more live keys than one State call
 // takes (MaxLimits = 8: keys left by two configurations of the limiter,
-// each valid on its own) is listed as unreadable, "reset clears a corrupt
+// each valid on its own) was listed as unreadable, "reset clears a corrupt
 // subject", exit 1, although nothing is corrupt and both configurations'
-// limiters read it. Protocol-1 keys are read in chunks of MaxLimits;
-// live keys are not.
+// limiters read it. Protocol-1 keys were read in chunks of MaxLimits;
+// live keys now are too.
 func TestReviewCL2ManyLiveKeysUnreadable(t *testing.T) {
 	t.Parallel()
 	e := rvNewEnv(t, "")
