@@ -23,9 +23,12 @@
 // A subject's keys are read as the library reads them. A key left from
 // wire protocol version 1 (a further limit's key named after a Go
 // duration, ":24h0m0s", where version 2 writes ":86400000ms") is listed,
-// marked "protocol 1 key: not read" ("protocol1": true in JSON), but
-// counts in none of the subject's figures: the library does not read it
-// (docs/PROTOCOL.md, "Upgrading from version 1"). reset deletes it too.
+// marked "protocol 1 key: not read" ("not_read" and "protocol1": true in
+// JSON), but counts in none of the subject's figures: the library does not
+// read it (docs/PROTOCOL.md, "Upgrading from version 1"). reset deletes it
+// too. Given -limit, a key of a period none of them has (left by an
+// earlier configuration, until it expires) is listed the same way, marked
+// "no such -limit: not read" ("not_read": true).
 //
 // A subject whose key holds a value that is not a TAT (corrupt, or of
 // another Redis type: WRONGTYPE; reset clears it) is listed first, as unreadable, with the reason ("error" in
@@ -358,10 +361,15 @@ type key struct {
 	Key       string   `json:"key"`
 	KeyBase64 string   `json:"key_base64,omitempty"` // see subject.SubjectBase64
 	Period    duration `json:"period,omitempty"`     // 0: the first limit
+	// NotRead marks a key the library does not read, which therefore
+	// counts in none of the subject's figures: one of protocol version 1
+	// (Protocol1), or, given -limit, a live key of a period that is none
+	// of theirs (left by an earlier configuration of the limiter).
+	NotRead bool `json:"not_read,omitempty"`
 	// Protocol1 marks a key of wire protocol version 1's layout (a Go
 	// duration after the subject, ":24h0m0s"), left from before an upgrade:
-	// the library neither reads nor writes it, so it counts in none of the
-	// subject's figures (docs/PROTOCOL.md, "Upgrading from version 1").
+	// the library neither reads nor writes it (docs/PROTOCOL.md,
+	// "Upgrading from version 1").
 	Protocol1 bool      `json:"protocol1,omitempty"`
 	Exists    bool      `json:"exists"`
 	TAT       time.Time `json:"tat,omitzero"`
@@ -479,38 +487,43 @@ func newSubjectKeys() *subjectKeys {
 	return &subjectKeys{live: map[time.Duration]string{}, v1: map[string]struct{}{}}
 }
 
-// state reads one subject's keys: the first limit's key, found or not (the
-// library always reads it), and the further keys found. Given the limits,
-// it reads every limit's key, found or not: an absent key is an idle
-// limit, whose burst still caps what is available (as Limiter.State).
-// Keys are read MaxLimits to a call: a subject may hold more live keys
-// than one limiter has (left by several configurations of it). Keys of
-// protocol version 1's layout, which the library does not read, are read
-// apart and shown, but count in none of the subject's figures.
+// state reads one subject's keys as the library reads them. Given the
+// limits, that is exactly every limit's key, found or not: an absent key
+// is an idle limit, whose burst still caps what is available (as
+// Limiter.State); a live key found of another period (left by an earlier
+// configuration) is read apart and shown, but counts in none of the
+// subject's figures. Without them, it is the first limit's key, found or
+// not (the library always reads it), and every live key found, MaxLimits
+// to a call: a subject may hold more than one limiter has (left by several
+// configurations). Keys of protocol version 1's layout, which the library
+// does not read, are read apart and shown, but count in none of the
+// subject's figures.
 func (v *viewer) state(ctx context.Context, s string, found *subjectKeys) (subject, error) {
-	byPeriod := maps.Clone(found.live)
 	first := firstKey(v.name, s)
-	byPeriod[0] = first
+	byPeriod := map[time.Duration]string{0: first}
+	var other []string // live keys of no given limit's period
 	if len(v.c.limits) > 0 {
 		for _, l := range v.c.limits[1:] {
-			if _, ok := byPeriod[l.Period]; !ok {
-				byPeriod[l.Period] = furtherKey(first, l.Period)
+			byPeriod[l.Period] = furtherKey(first, l.Period)
+		}
+		for p, k := range found.live {
+			if _, ok := byPeriod[p]; !ok {
+				other = append(other, k)
 			}
 		}
+		slices.Sort(other)
+	} else {
+		maps.Copy(byPeriod, found.live)
 	}
-	periods := make([]time.Duration, 0, len(byPeriod))
-	for p := range byPeriod {
-		periods = append(periods, p)
-	}
-	slices.Sort(periods) // the first limit's key (period 0) first
+	periods := slices.Sorted(maps.Keys(byPeriod)) // the first limit's key (period 0) first
 	keys := make([]string, len(periods))
 	for i, p := range periods {
 		keys[i] = byPeriod[p]
 	}
-	// Given limits that match every key, there is one key per limit: one
-	// call, whose figures are the subject's (wait, available). Otherwise
-	// keys are read without limits, MaxLimits to a call, and the backlog
-	// is the longest of them.
+	// Given the limits, there is one key per limit (at most MaxLimits):
+	// one call, whose figures are the subject's (wait, available).
+	// Without them, keys are read MaxLimits to a call, and the backlog is
+	// the longest of them.
 	limits := v.c.limits.match(periods)
 	sub := subject{Subject: s, SubjectBase64: exact(s)}
 	for i := 0; i < len(keys); i += throttle.MaxLimits {
@@ -534,30 +547,40 @@ func (v *viewer) state(ctx context.Context, s string, found *subjectKeys) (subje
 		}
 		sub.backlog = max(sub.backlog, st.Backlog)
 		for n, k := range st.Keys {
-			sub.Keys = append(sub.Keys, key{
-				Key: v.c.prefix + k.Key, KeyBase64: exact(v.c.prefix + k.Key), Period: duration(periods[i+n]), Exists: k.Exists, TAT: k.TAT,
-				Backlog: duration(k.Backlog), TTL: duration(k.TTL),
-			})
+			sub.Keys = append(sub.Keys, v.key(k, periods[i+n]))
 		}
 	}
 	sub.Backlog = duration(sub.backlog)
-	for old := range slices.Chunk(slices.Sorted(maps.Keys(found.v1)), throttle.MaxLimits) {
-		cctx, cancel := v.db.call(ctx)
-		st, err := v.eng.State(cctx, old, nil)
-		cancel()
-		if err != nil {
-			return subject{}, err
-		}
-		for _, k := range st.Keys {
-			_, period, _, _ := parseKey(v.c.prefix+k.Key, v.c.prefix, v.name)
-			sub.Keys = append(sub.Keys, key{
-				Key: v.c.prefix + k.Key, KeyBase64: exact(v.c.prefix + k.Key), Period: duration(period), Protocol1: true,
-				Exists: k.Exists, TAT: k.TAT,
-				Backlog: duration(k.Backlog), TTL: duration(k.TTL),
-			})
+	// Keys the library does not read: shown, in none of the figures.
+	for _, apart := range []struct {
+		keys      []string
+		protocol1 bool
+	}{{other, false}, {slices.Sorted(maps.Keys(found.v1)), true}} {
+		for batch := range slices.Chunk(apart.keys, throttle.MaxLimits) {
+			cctx, cancel := v.db.call(ctx)
+			st, err := v.eng.State(cctx, batch, nil)
+			cancel()
+			if err != nil {
+				return subject{}, err
+			}
+			for _, k := range st.Keys {
+				_, period, _, _ := parseKey(v.c.prefix+k.Key, v.c.prefix, v.name)
+				ks := v.key(k, period)
+				ks.NotRead, ks.Protocol1 = true, apart.protocol1
+				sub.Keys = append(sub.Keys, ks)
+			}
 		}
 	}
 	return sub, nil
+}
+
+// key returns a key's reading, as printed.
+func (v *viewer) key(k throttle.KeyState, period time.Duration) key {
+	full := v.c.prefix + k.Key
+	return key{
+		Key: full, KeyBase64: exact(full), Period: duration(period), Exists: k.Exists, TAT: k.TAT,
+		Backlog: duration(k.Backlog), TTL: duration(k.TTL),
+	}
 }
 
 // frame is one inspect or watch reading, as JSON.
@@ -599,8 +622,11 @@ func (v *viewer) print(out io.Writer, subjects []subject) error {
 			case k.TTL < 0:
 				ttl = "none"
 			}
-			if k.Protocol1 {
+			switch {
+			case k.Protocol1:
 				ttl += " (protocol 1 key: not read)"
+			case k.NotRead:
+				ttl += " (no such -limit: not read)"
 			}
 			if i == 0 {
 				fmt.Fprintf(tw, "%q\t%v\t%s\t%s\t%s\t%s\t%s\n", s.Subject, s.Backlog, wait, next, avail, k.Key, ttl)

@@ -594,12 +594,13 @@ func TestReviewCL2NextFreeDate(t *testing.T) {
 	require.Contains(t, text, st.NextFree.Format("2006-01-02 15:04:05.000"))
 }
 
-// JUDGEMENT (fails): with -limit given, a live key of a period that is
+// JUDGEMENT (fixed): with -limit given, a live key of a period that is
 // not among the limits (left by an earlier configuration, until it
-// expires) makes WAIT, NEXT FREE and AVAILABLE vanish for the subject,
-// and its TAT counts in BACKLOG, although the limiter as configured
+// expires) made WAIT, NEXT FREE and AVAILABLE vanish for the subject,
+// and its TAT counted in BACKLOG, although the limiter as configured
 // neither reads it nor is held back by it (compare the protocol-1 fix:
-// a key the library does not read counts in none of the figures).
+// a key the library does not read counts in none of the figures). It is
+// now listed apart, "not_read", in none of the figures.
 func TestReviewCL2StaleLiveKeyHidesWait(t *testing.T) {
 	t.Parallel()
 	e := rvNewEnv(t, "")
