@@ -18,7 +18,9 @@
 // (detected from the server). -json prints JSON
 // (one object per frame for watch); a subject that is not valid UTF-8,
 // which a JSON string cannot carry, has its exact bytes in base64 as well
-// ("subject_base64", and "key_base64" for its keys).
+// ("subject_base64", and "key_base64" for its keys), and so has a limiter
+// name ("name_base64"); reset -json gives "reset_base64" when a key it
+// cleared is not valid UTF-8.
 //
 // A subject's keys are read as the library reads them. A key left from
 // wire protocol version 1 (a further limit's key named after a Go
@@ -585,14 +587,15 @@ func (v *viewer) key(k throttle.KeyState, period time.Duration) key {
 
 // frame is one inspect or watch reading, as JSON.
 type frame struct {
-	Name     string    `json:"name"`
-	At       time.Time `json:"at"`
-	Subjects int       `json:"subjects"` // found, before -top
-	Top      []subject `json:"top"`
+	Name       string    `json:"name"`
+	NameBase64 string    `json:"name_base64,omitempty"` // see subject.SubjectBase64
+	At         time.Time `json:"at"`
+	Subjects   int       `json:"subjects"` // found, before -top
+	Top        []subject `json:"top"`
 }
 
 func (v *viewer) print(out io.Writer, subjects []subject) error {
-	f := frame{Name: v.name, At: time.Now(), Subjects: len(subjects), Top: subjects}
+	f := frame{Name: v.name, NameBase64: exact(v.name), At: time.Now(), Subjects: len(subjects), Top: subjects}
 	if v.c.top > 0 && len(subjects) > v.c.top {
 		f.Top = subjects[:v.c.top]
 	}
@@ -710,12 +713,18 @@ func (v *viewer) reset(ctx context.Context, out io.Writer, s string) error {
 	keys = append(keys, old...)
 	if v.c.asJSON {
 		res := map[string]any{"name": v.name, "subject": s, "reset": keys}
+		if b64 := exact(v.name); b64 != "" {
+			res["name_base64"] = b64
+		}
 		if b64 := exact(s); b64 != "" {
+			res["subject_base64"] = b64
+		}
+		if slices.ContainsFunc(keys, func(k string) bool { return !utf8.ValidString(k) }) {
 			all := make([]string, len(keys))
 			for i, k := range keys {
 				all[i] = base64.StdEncoding.EncodeToString([]byte(k))
 			}
-			res["subject_base64"], res["reset_base64"] = b64, all
+			res["reset_base64"] = all
 		}
 		return json.NewEncoder(out).Encode(res)
 	}

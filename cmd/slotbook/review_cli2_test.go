@@ -162,11 +162,12 @@ func TestReviewCL2ManyLiveKeysUnreadable(t *testing.T) {
 	require.Len(t, fr.Top[0].Keys, 15)
 }
 
-// FINDING (fails, minor): a limiter name that is not valid UTF-8 (which
-// reserve.New accepts) loses its bytes in reset -json: the reset keys are
-// printed with U+FFFD and reset_base64 is only given when the SUBJECT is
-// not UTF-8. (The frame's "name" of inspect -json has no base64 form
-// either.)
+// FINDING (fixed, minor): a limiter name that is not valid UTF-8 (which
+// reserve.New accepts) lost its bytes in reset -json: the reset keys were
+// printed with U+FFFD and reset_base64 was only given when the SUBJECT is
+// not UTF-8. (The frame's "name" of inspect -json had no base64 form
+// either.) Now reset_base64 is given whenever a key is not UTF-8, and
+// frames and reset carry name_base64.
 func TestReviewCL2NonUTF8NameResetJSON(t *testing.T) {
 	t.Parallel()
 	e := rvNewEnv(t, "")
