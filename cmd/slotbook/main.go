@@ -33,9 +33,15 @@
 // "no such -limit: not read" ("not_read": true).
 //
 // A subject whose key holds a value that is not a TAT (corrupt, or of
-// another Redis type: WRONGTYPE; reset clears it) is listed first, as unreadable, with the reason ("error" in
-// JSON), and the others as usual; inspect then fails (exit code 1) after
-// printing, while watch goes on.
+// another Redis type: WRONGTYPE; reset clears it) is listed first, as
+// unreadable, with the reason ("error" in JSON), and the others as usual;
+// inspect then fails (exit code 1) after printing, while watch goes on.
+//
+// watch also outlives a reading that fails (Redis away, or slower than
+// -timeout, for a while): that frame is its error alone ("reading
+// failed", or {"name", "at", "error"} in JSON), and the next reading comes
+// at the next interval. It ends when interrupted, or after -count frames
+// (a failed one counts), exiting 1 if the last one failed.
 //
 //	go run ./cmd/slotbook -redis redis://127.0.0.1:6379/0 inspect partner-api
 //	go run ./cmd/slotbook -limit 10/1s:5 -limit 10000/24h inspect stripe tenant-42
@@ -649,8 +655,29 @@ func (v *viewer) print(out io.Writer, subjects []subject) error {
 	return nil
 }
 
+// failed is a watch frame whose reading failed, as JSON.
+type failed struct {
+	Name       string    `json:"name"`
+	NameBase64 string    `json:"name_base64,omitempty"`
+	At         time.Time `json:"at"`
+	Error      string    `json:"error"`
+}
+
+// printFailed prints a frame whose reading failed with err.
+func (v *viewer) printFailed(out io.Writer, err error) error {
+	f := failed{Name: v.name, NameBase64: exact(v.name), At: time.Now(), Error: err.Error()}
+	if v.c.asJSON {
+		return json.NewEncoder(out).Encode(f)
+	}
+	_, perr := fmt.Fprintf(out, "%s: reading failed (%s): %v\n", v.name, f.At.Format(time.RFC3339), err)
+	return perr
+}
+
 // watch prints a reading every interval until ctx ends or count readings
-// are printed. On a terminal each reading replaces the last.
+// are printed. On a terminal each reading replaces the last. A reading
+// that fails (Redis away or slow for a while) is printed as its error,
+// and the next one is made at the next interval: a dashboard outlives a
+// blip. It returns nil, or, when count ends it, the last reading's error.
 func (v *viewer) watch(ctx context.Context, out io.Writer) error {
 	clear := false
 	if f, ok := out.(*os.File); ok && !v.c.asJSON {
@@ -662,20 +689,23 @@ func (v *viewer) watch(ctx context.Context, out io.Writer) error {
 	defer tick.Stop()
 	for n := 1; ; n++ {
 		subjects, err := v.read(ctx, nil)
-		if err != nil {
-			if ctx.Err() != nil {
-				return nil
-			}
-			return err
+		if err != nil && ctx.Err() != nil {
+			return nil
 		}
 		if clear {
 			fmt.Fprint(out, "\x1b[H\x1b[2J")
 		}
-		if err := v.print(out, subjects); err != nil {
-			return err
+		var perr error
+		if err != nil {
+			perr = v.printFailed(out, err)
+		} else {
+			perr = v.print(out, subjects)
+		}
+		if perr != nil { // out is gone
+			return perr
 		}
 		if v.c.count > 0 && n >= v.c.count {
-			return nil
+			return err
 		}
 		select {
 		case <-ctx.Done():
