@@ -15,6 +15,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 )
 
@@ -33,11 +34,21 @@ const NoCap = time.Duration(1<<63 - 1)
 // cap and the time left before ctx's deadline less work, measured from now.
 // bound names the limit that binds (ErrMaxWaitExceeded or
 // ErrWouldExceedDeadline), for the refusal. A negative budget means the
-// deadline leaves no time for the work even if it started now.
+// deadline leaves no time for the work even if it started now. A negative
+// work counts as none. The arithmetic saturates: a deadline centuries
+// away or long past gives the largest or the smallest Duration, never a
+// budget of the wrong sign.
 func Budget(ctx context.Context, now time.Time, cap, work time.Duration) (budget time.Duration, bound error) {
 	budget, bound = cap, ErrMaxWaitExceeded
 	if dl, ok := ctx.Deadline(); ok {
-		if left := dl.Sub(now) - work; left < budget {
+		work = max(work, 0)
+		left := dl.Sub(now) // saturates at the Duration bounds
+		if left < math.MinInt64+work {
+			left = math.MinInt64 // left - work would wrap around
+		} else {
+			left -= work
+		}
+		if left < budget {
 			budget, bound = left, ErrWouldExceedDeadline
 		}
 	}

@@ -83,3 +83,22 @@ func ExampleBudget() {
 	// 1.5s true
 	// slotbook: refused: slot would leave too little time before the context deadline (slot in 2s, budget 1.5s)
 }
+
+func TestBudgetSaturates(t *testing.T) {
+	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	at := func(dl time.Time) context.Context {
+		ctx, cancel := context.WithDeadline(context.Background(), dl)
+		t.Cleanup(cancel)
+		return ctx
+	}
+	ancient := time.Date(1, 1, 1, 0, 0, 0, 0, time.UTC)
+	for _, work := range []time.Duration{0, time.Nanosecond, time.Hour, deadline.NoCap} {
+		b, bound := deadline.Budget(at(ancient), now, time.Second, work)
+		if b >= 0 || bound != deadline.ErrWouldExceedDeadline {
+			t.Errorf("deadline in year 1, work %v: budget %v, bound %v; want negative, ErrWouldExceedDeadline", work, b, bound)
+		}
+	}
+	if b, _ := deadline.Budget(at(now.Add(time.Second)), now, deadline.NoCap, -time.Hour); b != time.Second {
+		t.Errorf("negative work: budget %v, want 1s (counted as none)", b)
+	}
+}

@@ -719,26 +719,37 @@ func TestReviewMTBudget(t *testing.T) {
 	ancient := time.Date(1, 1, 1, 0, 0, 0, 0, time.UTC)
 	b, bound = deadline.Budget(at(ancient), now, time.Second, time.Millisecond)
 	t.Logf("deadline in year 1, work 1ms, cap 1s: budget %v, bound %v", b, bound)
-	// FAILS on the current code (see report): dl.Sub(now) - work wraps
-	// around to a huge positive duration, so the cap is returned.
+	// Fixed: dl.Sub(now) - work used to wrap around to a huge positive
+	// duration, so the cap was returned; Budget now saturates.
 	require.Negative(t, b, "a deadline long passed leaves no time")
 	require.Equal(t, deadline.ErrWouldExceedDeadline, bound)
 }
 
 // TestReviewMTBudgetNegativeWork: a negative work estimate. reserve
-// refuses one (WithWorkEstimate); deadline.Budget, public, takes it.
+// refuses one (WithWorkEstimate); deadline.Budget, public, takes it and
+// counts it as no work (documented): the budget never reaches past the
+// deadline.
 func TestReviewMTBudgetNegativeWork(t *testing.T) {
 	t.Parallel()
 	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	ctx, cancel := context.WithDeadline(context.Background(), now.Add(time.Second))
 	defer cancel()
-	b, _ := deadline.Budget(ctx, now, deadline.NoCap, -time.Second)
-	t.Logf("deadline in 1s, work -1s: budget %v (past the deadline)", b)
+	b, bound := deadline.Budget(ctx, now, deadline.NoCap, -time.Second)
+	t.Logf("deadline in 1s, work -1s: budget %v", b)
+	require.Equal(t, time.Second, b, "a negative work counts as none: not past the deadline")
+	require.Equal(t, deadline.ErrWouldExceedDeadline, bound)
+	b, bound = deadline.Budget(ctx, now, 2*time.Second, -time.Second)
+	require.Equal(t, time.Second, b, "the deadline binds, not the cap")
+	require.Equal(t, deadline.ErrWouldExceedDeadline, bound)
 	// A far deadline and a very negative work overflow the other way.
 	far, cancel2 := context.WithDeadline(context.Background(), now.AddDate(400, 0, 0))
 	defer cancel2()
-	b, bound := deadline.Budget(far, now, deadline.NoCap, time.Duration(math.MinInt64+1))
+	b, bound = deadline.Budget(far, now, deadline.NoCap, time.Duration(math.MinInt64+1))
 	t.Logf("deadline in 400y, work MinInt64+1: budget %v, bound %v", b, bound)
+	require.Equal(t, deadline.NoCap, b, "saturated, not wrapped")
+	b, bound = deadline.Budget(far, now, time.Hour, time.Duration(math.MinInt64+1))
+	require.Equal(t, time.Hour, b)
+	require.Equal(t, deadline.ErrMaxWaitExceeded, bound)
 	_, err := reserve.New(nil, "x", throttle.PerSecond(1, 0))
 	require.Error(t, err)
 }
