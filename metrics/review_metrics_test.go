@@ -680,9 +680,9 @@ func TestReviewMTTypedNilCollector(t *testing.T) {
 		_, _ = lim.Allow(context.Background(), "k")
 	}()
 	t.Logf("typed-nil *metrics.Collector accepted by WithObserver; first Allow panicked: %v", panicked)
-	// FAILS on the current code (minor, see report): WithObserver refuses
-	// a nil Observer but takes a nil *Collector, whose first decision
-	// panics on the request path (or on a library goroutine).
+	// Fixed: WithObserver refused a nil Observer but took a nil
+	// *Collector, whose first decision panicked on the request path (or
+	// on a library goroutine); it now refuses it, so this is not reached.
 	require.Nil(t, panicked, "a nil *metrics.Collector is neither refused by WithObserver nor safe to call")
 }
 

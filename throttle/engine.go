@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"reflect"
 	"runtime"
 	"slices"
 	"strconv"
@@ -347,15 +348,31 @@ func WithMergeWait(d time.Duration) Option {
 }
 
 // WithObserver reports every decision, Redis call, refund and breaker
-// change to o (package metrics has one for Prometheus).
+// change to o (package metrics has one for Prometheus). A nil o is an
+// error, and so is a nil pointer (map, func, channel, slice) in a non-nil
+// interface, such as a nil *metrics.Collector, whose methods would panic
+// on the first call, possibly on one of the library's own goroutines.
 func WithObserver(o Observer) Option {
 	return func(e *Engine) error {
 		if o == nil {
 			return errors.New("throttle: nil observer")
 		}
+		if nilInside(o) {
+			return fmt.Errorf("throttle: nil observer (a nil %T)", o)
+		}
 		e.observer = o
 		return nil
 	}
+}
+
+// nilInside reports whether v, a non-nil interface, holds a nil pointer,
+// map, func, channel, slice or interface.
+func nilInside(v any) bool {
+	switch rv := reflect.ValueOf(v); rv.Kind() {
+	case reflect.Pointer, reflect.Map, reflect.Func, reflect.Chan, reflect.Slice, reflect.Interface, reflect.UnsafePointer:
+		return rv.IsNil()
+	}
+	return false
 }
 
 // WithProbeBackoff sets how often, while Redis is unavailable, one call is
