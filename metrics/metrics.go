@@ -12,6 +12,8 @@
 //	slotbook_decisions_total{limiter,outcome}        requests by outcome: allowed, denied, booked,
 //	                                                 refused, fallback_allowed, fallback_refused
 //	slotbook_booked_wait_seconds{limiter}            histogram of booked waits: the queue in front of the limit
+//	                                                 (reservations booked, and those the fallback admitted;
+//	                                                 never check-mode requests, which book nothing)
 //	slotbook_redis_call_duration_seconds{limiter}    histogram of script calls to Redis
 //	slotbook_redis_errors_total{limiter}             script calls that failed
 //	slotbook_lost_replies_total{limiter}             script calls sent whose reply never came: each may
@@ -194,7 +196,9 @@ func (c *Collector) all() []prometheus.Collector {
 // ObserveDecision implements throttle.Observer.
 func (c *Collector) ObserveDecision(limiter string, o throttle.Outcome, wait time.Duration) {
 	c.decisions.WithLabelValues(limiter, o.String()).Inc()
-	if o == throttle.Booked || o == throttle.FallbackAllowed {
+	// A FallbackAllowed with a negative wait (throttle.NoWait) was a
+	// check-mode request: it booked nothing.
+	if (o == throttle.Booked || o == throttle.FallbackAllowed) && wait >= 0 {
 		c.bookedWait.WithLabelValues(limiter).Observe(wait.Seconds())
 	}
 }

@@ -277,3 +277,37 @@ func value(t *testing.T, reg prometheus.Gatherer, name string, labels map[string
 	}
 	return 0
 }
+
+// TestBookedWaitLeavesOutNoWait: a FallbackAllowed with throttle.NoWait (a
+// check-mode request the fallback let pass) counts as a decision but books
+// no wait; one with a wait of 0 or more (a reservation) does.
+func TestBookedWaitLeavesOutNoWait(t *testing.T) {
+	c, err := metrics.New()
+	require.NoError(t, err)
+	c.ObserveDecision("l", throttle.FallbackAllowed, throttle.NoWait)
+	c.ObserveDecision("l", throttle.FallbackAllowed, 0)
+	c.ObserveDecision("l", throttle.FallbackAllowed, time.Second)
+	c.ObserveDecision("l", throttle.Booked, 0)
+	require.Equal(t, 2, testutil.CollectAndCount(c, "slotbook_decisions_total"), "fallback_allowed and booked")
+	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(`
+# HELP slotbook_booked_wait_seconds Wait until the booked slot: the queue in front of the limit.
+# TYPE slotbook_booked_wait_seconds histogram
+slotbook_booked_wait_seconds_bucket{limiter="l",le="0"} 2
+slotbook_booked_wait_seconds_bucket{limiter="l",le="0.005"} 2
+slotbook_booked_wait_seconds_bucket{limiter="l",le="0.01"} 2
+slotbook_booked_wait_seconds_bucket{limiter="l",le="0.025"} 2
+slotbook_booked_wait_seconds_bucket{limiter="l",le="0.05"} 2
+slotbook_booked_wait_seconds_bucket{limiter="l",le="0.1"} 2
+slotbook_booked_wait_seconds_bucket{limiter="l",le="0.25"} 2
+slotbook_booked_wait_seconds_bucket{limiter="l",le="0.5"} 2
+slotbook_booked_wait_seconds_bucket{limiter="l",le="1"} 3
+slotbook_booked_wait_seconds_bucket{limiter="l",le="2.5"} 3
+slotbook_booked_wait_seconds_bucket{limiter="l",le="5"} 3
+slotbook_booked_wait_seconds_bucket{limiter="l",le="10"} 3
+slotbook_booked_wait_seconds_bucket{limiter="l",le="30"} 3
+slotbook_booked_wait_seconds_bucket{limiter="l",le="60"} 3
+slotbook_booked_wait_seconds_bucket{limiter="l",le="+Inf"} 3
+slotbook_booked_wait_seconds_sum{limiter="l"} 1
+slotbook_booked_wait_seconds_count{limiter="l"} 3
+`), "slotbook_booked_wait_seconds"))
+}

@@ -371,7 +371,7 @@ func (l *Limiter) fallbackAllow(ctx context.Context, key string, n int) (throttl
 		obs.ObserveDecision(l.name, throttle.FallbackRefused, after)
 		return throttle.Result{RetryAfter: after}, nil
 	}
-	obs.ObserveDecision(l.name, throttle.FallbackAllowed, 0)
+	obs.ObserveDecision(l.name, throttle.FallbackAllowed, throttle.NoWait) // check mode: no booked wait
 	remaining := int64(math.MaxInt)
 	f.mu.Lock()
 	t := f.instant(now)

@@ -18,6 +18,11 @@ const (
 	FallbackRefused                // Redis unavailable: the fallback policy refused it
 )
 
+// NoWait is the wait an Observer is told with FallbackAllowed for a
+// check-mode request (Allow) that the fallback let pass: it booked no slot,
+// so it has no booked wait. Every wait reported otherwise is at least 0.
+const NoWait = time.Duration(-1)
+
 var outcomeNames = [...]string{"allowed", "denied", "booked", "refused", "fallback_allowed", "fallback_refused"}
 
 // String returns the outcome's name as used in metric labels.
@@ -41,8 +46,11 @@ func (o Outcome) String() string {
 // package reserve, the limiter's name). Keep it bounded: never a subject.
 type Observer interface {
 	// ObserveDecision reports one request's outcome; wait is the booked wait
-	// for Booked (and FallbackAllowed), the retry-after for Denied and
-	// Refused.
+	// for Booked, the retry-after for Denied, Refused and FallbackRefused.
+	// For FallbackAllowed it is the wait of the reservation the fallback
+	// admitted (booked in its local share, or 0 for FailOpen's), and NoWait
+	// (negative) for a check-mode request (Allow) it let pass, which booked
+	// nothing, as Allowed books nothing.
 	ObserveDecision(limiter string, o Outcome, wait time.Duration)
 	// ObserveCall reports one script call to Redis, with its duration and
 	// error (nil on success), classified as the caller sees it: it matches
