@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"reflect"
 	"strconv"
 	"strings"
 	"sync"
@@ -147,11 +148,19 @@ func WithPollInterval(d time.Duration) Option {
 }
 
 // WithObserver reports the semaphore's work to o (NewCollector returns one
-// for Prometheus).
+// for Prometheus). A nil o is invalid, and so is a nil pointer (map, func,
+// channel, slice) in a non-nil interface, such as a nil *Collector, whose
+// methods would panic on the first call.
 func WithObserver(o Observer) Option {
 	return func(s *Semaphore) error {
 		if o == nil {
 			return fmt.Errorf("%w: nil observer", ErrInvalid)
+		}
+		switch rv := reflect.ValueOf(o); rv.Kind() {
+		case reflect.Pointer, reflect.Map, reflect.Func, reflect.Chan, reflect.Slice, reflect.Interface, reflect.UnsafePointer:
+			if rv.IsNil() {
+				return fmt.Errorf("%w: nil observer (a nil %T)", ErrInvalid, o)
+			}
 		}
 		s.obs = o
 		return nil
