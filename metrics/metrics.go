@@ -16,9 +16,11 @@
 //	                                                 never check-mode requests, which book nothing)
 //	slotbook_redis_call_duration_seconds{limiter}    histogram of script calls to Redis
 //	slotbook_redis_errors_total{limiter}             script calls that failed
-//	slotbook_lost_replies_total{limiter}             script calls sent whose reply never came: each may
-//	                                                 have booked slots nobody will use (quota wasted)
-//	slotbook_refunds_total{limiter}                  refunds that gave time back
+//	slotbook_lost_replies_total{limiter}             script calls sent whose reply never came: a booking
+//	                                                 call's may have booked slots nobody will use (quota
+//	                                                 wasted), a refund's may have given time back
+//	slotbook_refunds_total{limiter}                  refunds that gave time back (one whose reply was lost
+//	                                                 is counted, once, when it is retried)
 //	slotbook_refunds_noop_total{limiter}             refunds that gave nothing back (a later booking
 //	                                                 stands on it, its slot has come, or given back before)
 //	slotbook_refunded_seconds_total{limiter}         time given back by refunds
@@ -154,7 +156,7 @@ func New(opts ...Option) (*Collector, error) {
 		}, lim),
 		lostReplies: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: o.namespace, Name: "lost_replies_total", ConstLabels: o.constLabels,
-			Help: "Script calls sent to Redis whose reply never came: each may have booked slots nobody will use.",
+			Help: "Script calls sent to Redis whose reply never came: a booking call's may have booked slots nobody will use, a refund's may have given time back (counted in the refund metrics if the refund is retried).",
 		}, lim),
 		refunds: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: o.namespace, Name: "refunds_total", ConstLabels: o.constLabels,

@@ -147,7 +147,7 @@ func TestLostReplies(t *testing.T) {
 	require.NotErrorIs(t, err, throttle.ErrReplyLost)
 
 	require.NoError(t, testutil.CollectAndCompare(m, strings.NewReader(`
-# HELP slotbook_lost_replies_total Script calls sent to Redis whose reply never came: each may have booked slots nobody will use.
+# HELP slotbook_lost_replies_total Script calls sent to Redis whose reply never came: a booking call's may have booked slots nobody will use, a refund's may have given time back (counted in the refund metrics if the refund is retried).
 # TYPE slotbook_lost_replies_total counter
 slotbook_lost_replies_total{limiter="api"} 1
 `), "slotbook_lost_replies_total"))

@@ -248,9 +248,10 @@ func TestReviewMTCancelAfterLostReply(t *testing.T) {
 	noop := mtVal(t, reg, "slotbook_refunds_noop_total", map[string]string{"limiter": "api"})
 	t.Logf("lost_replies=%v refunds=%v noop=%v refunded_seconds=%v", lost, refunds, noop, given)
 	require.Equal(t, 1.0, lost)
-	// FAILS on the current code (see report): the refund that gave the time
-	// back lost its reply, so it is never counted, and the retry that found
-	// its tombstone counts as a refund that gave nothing back.
+	// Fixed: the refund that gave the time back lost its reply, so it was
+	// never counted, and the retry that found its tombstone counted as a
+	// refund that gave nothing back. The tombstone now records what the
+	// refund gave, and the retry reports it, once.
 	require.InDelta(t, 0.1, given, 1e-9, "refunded_seconds_total: Redis gave 100 ms back")
 	require.Equal(t, 1.0, refunds, "refunds_total: one refund gave time back")
 }

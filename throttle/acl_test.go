@@ -19,7 +19,7 @@ import (
 // aclCommands is what slotbook needs from Redis: its scripts and what they
 // call, SCRIPT LOAD for Engine.Load, and go-redis's handshake (HELLO; the
 // CLIENT SETINFO it sends too may be refused: go-redis ignores that).
-const aclCommands = "+evalsha +eval +script|load +time +get +set +del +exists +zadd +zremrangebyscore +pexpire +zcard +zrange +hello +ping"
+const aclCommands = "+evalsha +eval +script|load +time +get +set +del +zadd +zremrangebyscore +pexpire +zcard +zrange +hello +ping"
 
 // TestACL runs the engine as a Redis user limited to its key prefix and the
 // commands it needs; a user without access to the keys gets a clear error,

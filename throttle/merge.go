@@ -364,7 +364,7 @@ func single(now int64, starts []int64, w int64, req Request, limit Limit, end []
 	b.Wait = time.Duration(w) * time.Microsecond
 	b.At = time.UnixMicro(now + w)
 	if b.OK {
-		b.id, b.way = rand.Uint64(), new(atomic.Uint32)
+		b.id, b.way = rand.Uint64(), new(atomic.Uint64)
 		end[0] = max(starts[0], now+w) + int64(n)*limit.intervalMicros()
 		b.ends = end
 	}

@@ -59,7 +59,13 @@ type Observer interface {
 	// taken effect). Calls refused at once by the open breaker are not
 	// reported.
 	ObserveCall(limiter string, d time.Duration, err error)
-	// ObserveRefund reports a refund and how much time it gave back.
+	// ObserveRefund reports a refund and how much time it gave back (the
+	// most it gave any of the booking's limits). A refund whose reply was
+	// lost is reported by its retry (the documented safe retry, which
+	// itself gives nothing): with the time the lost attempt gave back,
+	// read from its tombstone, once; any other call for a booking already
+	// given back is reported as giving 0. A lost refund never retried is
+	// not reported here (ObserveCall reports its ErrReplyLost).
 	ObserveRefund(limiter string, given time.Duration)
 	// ObserveBreaker reports the engine's first breaker opening (a Redis
 	// node unavailable: calls for its subjects fail fast or go to the

@@ -126,9 +126,12 @@ type Booking struct {
 	starts []int64 // each key's TAT before the decision
 	ends   []int64 // each key's TAT after it
 	id     uint64  // names the booking's tombstone once it is given back
-	// way is how the booking was first given back (wayUsed, wayUnused),
-	// shared by its copies; nil for a refusal.
-	way *atomic.Uint32
+	// way is how the booking was first given back (wayUsed, wayUnused,
+	// waySpan: its low 32 bits) and whether a refund of it, or of the run
+	// it was given back in as the run's first, was reported to the
+	// Observer as giving time back (wayReported), shared by its copies;
+	// nil for a refusal.
+	way *atomic.Uint64
 }
 
 // Before reports whether b was booked before o on their keys: both booked
@@ -157,11 +160,19 @@ func (b Booking) End() time.Time {
 
 // How a booking was given back: RefundAll's way or RefundUnused's.
 const (
-	wayUsed uint32 = 1 + iota
+	wayUsed uint64 = 1 + iota
 	wayUnused
-	// waySpan, with the low bits of the run's own id: given back as part of
-	// that run (RefundUnusedRun), never on its own nor in another run.
-	waySpan uint32 = 1 << 31
+	// waySpan, with the low 31 bits of the run's own id: given back as
+	// part of that run (RefundUnusedRun), never on its own nor in another
+	// run.
+	waySpan uint64 = 1 << 31
+	// wayMask keeps the way of a booking's way word.
+	wayMask uint64 = 1<<32 - 1
+	// wayReported, beside the way: a refund of the booking (or of the run
+	// it is the first of) was reported to the Observer as giving time
+	// back, so that a retry that finds the tombstone of a refund whose
+	// reply was lost reports what that refund gave once, and only then.
+	wayReported uint64 = 1 << 32
 )
 
 // Book is shorthand for BookBatch with one request.
@@ -351,8 +362,10 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 //   - A Block after b keeps b's room: refunds never reach below a pause.
 //   - Refund is idempotent: the first call leaves a tombstone (a key that
 //     lives until b's slot), and a second call for b, such as a retry after
-//     a lost reply, gives nothing, even if a new booking has since ended
-//     where b did.
+//     a lost reply, gives nothing and returns 0, even if a new booking has
+//     since ended where b did. The tombstone records what the first call
+//     gave back, so that the Observer is told it once, by the retry, when
+//     the first call's reply was lost.
 //
 // Refunding a refused booking, or one whose slot has passed, is a no-op.
 func (e *Engine) Refund(ctx context.Context, key string, limit Limit, b Booking) (time.Duration, error) {
@@ -366,7 +379,7 @@ func (e *Engine) Refund(ctx context.Context, key string, limit Limit, b Booking)
 // RefundAll is Refund for a booking made by BookAll: it gives back to each
 // limit, and returns the time given back to each.
 func (e *Engine) RefundAll(ctx context.Context, keys []string, limits []Limit, b Booking) ([]time.Duration, error) {
-	return e.refund(ctx, keys, limits, b, false)
+	return e.refund(ctx, keys, limits, b, false, b.way)
 }
 
 // RefundUnused is RefundAll for a booking whose slot no one can use: its
@@ -382,7 +395,7 @@ func (e *Engine) RefundAll(ctx context.Context, keys []string, limits []Limit, b
 // called for a booking or any copy of it, the other fails with
 // ErrInvalidRequest, making no Redis call. Retrying the same one is safe.
 func (e *Engine) RefundUnused(ctx context.Context, keys []string, limits []Limit, b Booking) ([]time.Duration, error) {
-	return e.refund(ctx, keys, limits, b, true)
+	return e.refund(ctx, keys, limits, b, true, b.way)
 }
 
 // RefundUnusedRun is RefundUnused for run, bookings of the same keys that
@@ -410,7 +423,7 @@ func (e *Engine) RefundUnusedRun(ctx context.Context, keys []string, limits []Li
 	if err != nil {
 		return nil, err
 	}
-	return e.refund(ctx, keys, limits, b, true)
+	return e.refund(ctx, keys, limits, b, true, run[0].way)
 }
 
 // span returns the booking that stands for run (see RefundUnusedRun), of
@@ -436,12 +449,12 @@ func span(run []Booking) (Booking, error) {
 	// its N), named after its run's first and last bookings.
 	b := last
 	b.starts, b.id, b.way = first.starts, first.id*0x9e3779b97f4a7c15^last.id, nil
-	mark := waySpan | uint32(b.id)
-	var marked []*atomic.Uint32 // by this call: unmarked again if it fails, so no room is stuck
+	mark := waySpan | uint64(uint32(b.id))
+	var marked []*atomic.Uint64 // by this call: unmarked again if it fails, so no room is stuck
 	for i, r := range run {
 		if r.way.CompareAndSwap(0, mark) {
 			marked = append(marked, r.way)
-		} else if r.way.Load() != mark {
+		} else if r.way.Load()&wayMask != mark {
 			for _, w := range marked {
 				w.Store(0)
 			}
@@ -451,8 +464,10 @@ func span(run []Booking) (Booking, error) {
 	return b, nil
 }
 
-// refund is RefundAll, and RefundUnused if unused.
-func (e *Engine) refund(ctx context.Context, keys []string, limits []Limit, b Booking, unused bool) ([]time.Duration, error) {
+// refund is RefundAll, and RefundUnused if unused. rep is the way word
+// that holds wayReported for b (its own, or for a run's span the first
+// booking's); nil if none.
+func (e *Engine) refund(ctx context.Context, keys []string, limits []Limit, b Booking, unused bool, rep *atomic.Uint64) ([]time.Duration, error) {
 	if err := checkKeysLimits(keys, limits); err != nil {
 		return nil, err
 	}
@@ -466,7 +481,7 @@ func (e *Engine) refund(ctx context.Context, keys []string, limits []Limit, b Bo
 	if unused {
 		way = wayUnused
 	}
-	if b.way != nil && !b.way.CompareAndSwap(0, way) && b.way.Load() != way {
+	if b.way != nil && !b.way.CompareAndSwap(0, way) && b.way.Load()&wayMask != way {
 		return nil, fmt.Errorf("%w: a booking given back by more than one of RefundAll, RefundUnused and RefundUnusedRun (one way only)", ErrInvalidRequest)
 	}
 	// refund.lua gives back until the instant it is given, and its
@@ -481,7 +496,10 @@ func (e *Engine) refund(ctx context.Context, keys []string, limits []Limit, b Bo
 		args = append(args, b.starts[i], b.ends[i])
 	}
 	withTomb := append(keys[:len(keys):len(keys)], e.tombstone(keys[0], b.id))
-	vals, err := e.run(ctx, refundScript, withTomb, args, 1+len(keys))
+	// The reply: {now, given_1 .. given_m, earlier_1 .. earlier_m}, what
+	// this call gave back and what the tombstone it found says an earlier
+	// refund of b gave.
+	vals, err := e.run(ctx, refundScript, withTomb, args, 1+2*len(keys))
 	if err != nil {
 		return nil, fmt.Errorf("throttle: refund %q: %w", keys[0], err)
 	}
@@ -489,8 +507,33 @@ func (e *Engine) refund(ctx context.Context, keys []string, limits []Limit, b Bo
 	for i := range given {
 		given[i] = time.Duration(vals[1+i]) * time.Microsecond
 	}
-	e.observer.ObserveRefund(label(keys[0]), slices.Max(given))
+	e.observer.ObserveRefund(label(keys[0]), reported(rep, slices.Max(given), time.Duration(slices.Max(vals[1+len(keys):]))*time.Microsecond))
 	return given, nil
+}
+
+// reported is what the Observer is told a refund gave back, given what it
+// gave and what the tombstone it found says an earlier refund of the same
+// booking gave: the time given back, by this call or by an earlier one
+// whose reply was lost, is reported once, by the first call of the
+// booking's refunds whose reply comes; any other call reports 0 (nothing
+// given). Without rep (a booking the engine did not make), what it gave.
+func reported(rep *atomic.Uint64, given, earlier time.Duration) time.Duration {
+	if rep == nil {
+		return given
+	}
+	d := max(given, earlier)
+	if d <= 0 {
+		return 0
+	}
+	for {
+		w := rep.Load()
+		if w&wayReported != 0 {
+			return 0 // reported already: by a call whose reply came
+		}
+		if rep.CompareAndSwap(w, w|wayReported) {
+			return d
+		}
+	}
 }
 
 // Block is shared back-off: after an upstream answered "429, retry after
@@ -934,14 +977,14 @@ func judge(vals []int64, limits []Limit, reqs []Request) ([]Booking, error) {
 	}
 	var (
 		out  []Booking
-		ways []atomic.Uint32 // each booking's way, one allocation for all
+		ways []atomic.Uint64 // each booking's way, one allocation for all
 	)
 	if len(reqs) == 1 {
 		// One request, the common case: its Booking and its way in one
 		// allocation.
 		one := new(struct {
 			b [1]Booking
-			w [1]atomic.Uint32
+			w [1]atomic.Uint64
 		})
 		out, ways = one.b[:], one.w[:]
 	} else {
@@ -967,7 +1010,7 @@ func judge(vals []int64, limits []Limit, reqs []Request) ([]Booking, error) {
 		}
 		if b.OK { // each limit advanced from the slot: tat = max(tat, slot) + n*I
 			if ways == nil {
-				ways = make([]atomic.Uint32, len(reqs))
+				ways = make([]atomic.Uint64, len(reqs))
 			}
 			b.id, b.way = rand.Uint64(), &ways[i]
 			b.ends = ends[m*i : m*(i+1) : m*(i+1)]

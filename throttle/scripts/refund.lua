@@ -18,7 +18,11 @@
 --    nothing: a refund retried after a lost reply cannot give back a later
 --    booking that happens to end where this one did. (A booking refunded
 --    as used must not be refunded again as unused: its tombstone is gone
---    once its slot has passed.)
+--    once its slot has passed.) The tombstone holds "1", written before
+--    the keys are read; once they are given back, if anything was, it
+--    holds what was given to each key ("1 g_1 .. g_m"), which a refund
+--    that finds it reports, so that a retry after a lost reply can tell
+--    what the first attempt gave back.
 --  - A key whose end has passed gives nothing and is not written.
 --
 -- KEYS      the booking's m keys, then its tombstone key (same hash tag)
@@ -28,22 +32,31 @@
 --           acted on, the latest of its ends
 -- ARGV[3..] per key, a pair: the TAT just before the booking and just after
 --
--- Returns {now, given_1 .. given_m}: microseconds given back per key.
+-- Returns {now, given_1 .. given_m, earlier_1 .. earlier_m}: microseconds
+-- given back per key by this call, then what the tombstone this call found
+-- says an earlier refund of the booking gave back per key (0s if none, or
+-- if it holds "1" alone).
 -- now: set by clock.lua, put before this script by the engine.
 
 local m = #KEYS - 1
 local slot = tonumber(ARGV[2])
 local out = {now}
-local live = slot > now and redis.call('EXISTS', KEYS[m + 1]) == 0
+local tomb = false
+if slot > now then
+  tomb = redis.call('GET', KEYS[m + 1])
+end
+local live = slot > now and not tomb
 if live then
   redis.call('SET', KEYS[m + 1], '1', 'PX', px(slot, now, hold))
 end
+local record, gave = {'1'}, false
 for i = 1, m do
   local give = 0
   if live then
     local before, after = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
     if after > now and stored(KEYS[i], now) == after then
       give = after - math.max(before, now)
+      gave = gave or give > 0
       if before > now then
         redis.call('SET', KEYS[i], string.format('%d', before), 'PX', px(before, now, hold))
       else
@@ -52,5 +65,21 @@ for i = 1, m do
     end
   end
   out[#out + 1] = give
+  record[#record + 1] = string.format('%d', give)
+end
+if gave then
+  redis.call('SET', KEYS[m + 1], table.concat(record, ' '), 'PX', px(slot, now, hold))
+end
+local earlier, n = {}, 0
+if tomb then
+  for v in string.gmatch(tomb, '%d+') do
+    if n > 0 and n <= m then
+      earlier[n] = tonumber(v)
+    end
+    n = n + 1
+  end
+end
+for i = 1, m do
+  out[#out + 1] = earlier[i] or 0
 end
 return out

@@ -163,54 +163,64 @@ bk1 = {"now": N, "n": 1, "wait_us": 100000, "tat_before": [T(600000)], "tat_afte
 bk1u = dict(bk1, unused=True)
 refund("the latest booking comes back in full",
        "booked at now: wait 100 ms, tat now+0.6s -> now+0.7s. At now+10ms the key still holds now+0.7s: "
-       "back to now+0.6s, 100000 given; tombstone until the slot (PX ceil(90000/1000)+1)",
+       "back to now+0.6s, 100000 given; tombstone until the slot (PX ceil(90000/1000)+1), recording what was given "
+       "back (\"1 100000\"); no tombstone found: earlier_1 = 0",
        T(10000), {K1: {"value": s(T(700000)), "px": 701}}, [K1, TOMB], [L10b5], bk1, T(100000),
-       [(T(600000), T(700000))], [T(10000), 100000],
-       {K1: {"value": s(T(600000)), "px": 591}, TOMB: {"value": "1", "px": 91}})
-refund("a retried refund gives nothing, even where the key again ends where the booking did",
-       "tombstone present: nothing given, nothing written",
+       [(T(600000), T(700000))], [T(10000), 100000, 0],
+       {K1: {"value": s(T(600000)), "px": 591}, TOMB: {"value": "1 100000", "px": 91}})
+refund("a retried refund gives nothing, even where the key again ends where the booking did, and reports what the first gave",
+       "tombstone present, left by a first refund that gave 100000 (its reply lost, say): nothing given, nothing "
+       "written; earlier_1 = 100000, read from the tombstone",
+       T(10000), {K1: {"value": s(T(700000)), "px": 701}, TOMB: {"value": "1 100000", "px": 91}}, [K1, TOMB], [L10b5], bk1,
+       T(100000), [(T(600000), T(700000))], [T(10000), 0, 100000],
+       {K1: {"value": s(T(700000))}, TOMB: {"value": "1 100000"}})
+refund("a refund that finds a tombstone of \"1\" alone gives nothing and reports nothing given before",
+       "tombstone present as a refund that gave nothing, or a version 1 client, leaves it: nothing given, nothing "
+       "written; earlier_1 = 0",
        T(10000), {K1: {"value": s(T(700000)), "px": 701}, TOMB: {"value": "1", "px": 91}}, [K1, TOMB], [L10b5], bk1,
-       T(100000), [(T(600000), T(700000))], [T(10000), 0],
+       T(100000), [(T(600000), T(700000))], [T(10000), 0, 0],
        {K1: {"value": s(T(700000))}, TOMB: {"value": "1"}})
 refund("a booking that a later one stands on gives nothing, and leaves its tombstone",
        "the key holds now+0.8s, not the booking's end now+0.7s",
        T(10000), {K1: {"value": s(T(800000)), "px": 801}}, [K1, TOMB], [L10b5], bk1, T(100000),
-       [(T(600000), T(700000))], [T(10000), 0],
+       [(T(600000), T(700000))], [T(10000), 0, 0],
        {K1: {"value": s(T(800000))}, TOMB: {"value": "1", "px": 91}})
 refund("a booking made before a pause gives nothing",
        "a 2 s pause at now moved the key to now + 2s + tau = now+2.5s, off the booking's end",
        T(10000), {K1: {"value": s(T(2500000)), "px": 2501}}, [K1, TOMB], [L10b5], bk1, T(100000),
-       [(T(600000), T(700000))], [T(10000), 0],
+       [(T(600000), T(700000))], [T(10000), 0, 0],
        {K1: {"value": s(T(2500000))}, TOMB: {"value": "1", "px": 91}})
 refund("a slot that has come gives nothing and writes nothing",
        "now = slot: not live, no tombstone",
        T(100000), {K1: {"value": s(T(700000)), "px": 701}}, [K1, TOMB], [L10b5], bk1, T(100000),
-       [(T(600000), T(700000))], [T(100000), 0], {K1: {"value": s(T(700000))}, TOMB: None})
+       [(T(600000), T(700000))], [T(100000), 0, 0], {K1: {"value": s(T(700000))}, TOMB: None})
 refund("two limits: each goes back; one whose earlier TAT has passed is deleted",
        "the 'per-minute binds' booking (slot now+3s; tat1 now+0.2s -> now+3.1s, tat2 now+15s -> now+18s), "
        "refunded at now+1s: key 1 gives 3.1s - max(0.2s, 1s) = 2.1s and, its earlier TAT passed, is deleted; "
-       "key 2 gives 3s and goes back to now+15s (PX ceil(14000000/1000)+1); tombstone PX ceil(2000000/1000)+1",
+       "key 2 gives 3s and goes back to now+15s (PX ceil(14000000/1000)+1); tombstone PX ceil(2000000/1000)+1, "
+       "recording both (\"1 2100000 3000000\")",
        T(1000000), {K1: {"value": s(T(3100000)), "px": 3101}, K2: {"value": s(T(18000000)), "px": 18001}},
        [K1, K2, TOMB], [L10b2, L20m4],
        {"now": N, "n": 1, "wait_us": 3000000, "tat_before": [T(200000), T(15000000)],
         "tat_after": [T(3100000), T(18000000)], "id": "1a2b3c"},
-       T(3000000), [(T(200000), T(3100000)), (T(15000000), T(18000000))], [T(1000000), 2100000, 3000000],
-       {K1: None, K2: {"value": s(T(15000000)), "px": 14001}, TOMB: {"value": "1", "px": 2001}})
+       T(3000000), [(T(200000), T(3100000)), (T(15000000), T(18000000))], [T(1000000), 2100000, 3000000, 0, 0],
+       {K1: None, K2: {"value": s(T(15000000)), "px": 14001}, TOMB: {"value": "1 2100000 3000000", "px": 2001}})
 refund("unused: a booking no one acted on comes back after its slot, as far as it stands",
        "the client sends the latest end (now+0.7s) for the slot: at now+0.2s, past the slot (now+0.1s), the key "
-       "still holds now+0.7s: back to now+0.6s, 100000 given; tombstone until now+0.7s (PX ceil(500000/1000)+1)",
+       "still holds now+0.7s: back to now+0.6s, 100000 given; tombstone until now+0.7s (PX ceil(500000/1000)+1), "
+       "\"1 100000\"",
        T(200000), {K1: {"value": s(T(700000)), "px": 501}}, [K1, TOMB], [L10b5], bk1u, T(700000),
-       [(T(600000), T(700000))], [T(200000), 100000],
-       {K1: {"value": s(T(600000)), "px": 401}, TOMB: {"value": "1", "px": 501}})
+       [(T(600000), T(700000))], [T(200000), 100000, 0],
+       {K1: {"value": s(T(600000)), "px": 401}, TOMB: {"value": "1 100000", "px": 501}})
 refund("two limits: a key whose end has passed gives nothing and is not written",
        "an unused booking (slot now; tat1 now -> now+0.1s, tat2 now -> now+1s) refunded at now+0.5s with the latest "
        "end now+1s: key 1's end has passed (it gives 0, not -0.4s); key 2 gives 0.5s and is deleted (its earlier TAT "
-       "passed); tombstone until now+1s",
+       "passed); tombstone until now+1s, \"1 0 500000\"",
        T(500000), {K1: {"value": s(T(100000)), "px": 60000}, K2: {"value": s(T(1000000)), "px": 501}},
        [K1, K2, TOMB], [L10b2, L20m4],
        {"now": N, "n": 1, "wait_us": 0, "tat_before": [N, N], "tat_after": [T(100000), T(1000000)], "id": "1a2b3c", "unused": True},
-       T(1000000), [(N, T(100000)), (N, T(1000000))], [T(500000), 0, 500000],
-       {K1: {"value": s(T(100000))}, K2: None, TOMB: {"value": "1", "px": 501}})
+       T(1000000), [(N, T(100000)), (N, T(1000000))], [T(500000), 0, 500000, 0, 0],
+       {K1: {"value": s(T(100000))}, K2: None, TOMB: {"value": "1 0 500000", "px": 501}})
 
 def block(name, note, before, keys, limits, d, params, reply, after, error=None):
     argv = [s(N), s(d)] + [s(x) for p in params for x in p]
