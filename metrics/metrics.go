@@ -21,8 +21,15 @@
 //	                                                 wasted), a refund's may have given time back
 //	slotbook_refunds_total{limiter}                  refunds that gave time back (one whose reply was lost
 //	                                                 is counted, once, when it is retried)
-//	slotbook_refunds_noop_total{limiter}             refunds that gave nothing back (a later booking
-//	                                                 stands on it, its slot has come, or given back before)
+//	slotbook_refunds_noop_total{limiter}             refunds that gave nothing back: a later booking or a
+//	                                                 pause stood on the booking (any refund); its slot had
+//	                                                 come (the engine's Refund called directly: reserve's
+//	                                                 Cancel makes no call then), or, for a booking no one
+//	                                                 used (given back as unused, as reserve does for late
+//	                                                 refusals), its units no longer stood; or it was given
+//	                                                 back before (the engine's Refund called again, or a
+//	                                                 retry of a lost refund that gave nothing; reserve's
+//	                                                 second Cancel makes no call)
 //	slotbook_refunded_seconds_total{limiter}         time given back by refunds
 //	slotbook_breaker_open{node}                      breakers open for the Redis node (its address; the
 //	                                                 master of a Cluster): while open, calls for subjects
@@ -164,7 +171,7 @@ func New(opts ...Option) (*Collector, error) {
 		}, lim),
 		refundsNoop: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: o.namespace, Name: "refunds_noop_total", ConstLabels: o.constLabels,
-			Help: "Refunds that gave nothing back: a later booking stood on the booking, its slot had come, or it was given back before.",
+			Help: "Refunds that gave nothing back: a later booking or a pause stood on the booking (any refund); its slot had come (the engine's Refund called directly: reserve's Cancel makes no call then), or, for a booking no one used (given back as unused, as reserve does for late refusals), its units no longer stood; or it was given back before (the engine's Refund called again, or a retry of a lost refund that gave nothing).",
 		}, lim),
 		refundSeconds: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: o.namespace, Name: "refunded_seconds_total", ConstLabels: o.constLabels,

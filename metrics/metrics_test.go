@@ -186,7 +186,7 @@ func TestRefundsCountOnlyWhatWasGivenBack(t *testing.T) {
 # HELP slotbook_refunds_total Refunds that gave time back.
 # TYPE slotbook_refunds_total counter
 slotbook_refunds_total{limiter="api"} 1
-# HELP slotbook_refunds_noop_total Refunds that gave nothing back: a later booking stood on the booking, its slot had come, or it was given back before.
+# HELP slotbook_refunds_noop_total Refunds that gave nothing back: a later booking or a pause stood on the booking (any refund); its slot had come (the engine's Refund called directly: reserve's Cancel makes no call then), or, for a booking no one used (given back as unused, as reserve does for late refusals), its units no longer stood; or it was given back before (the engine's Refund called again, or a retry of a lost refund that gave nothing).
 # TYPE slotbook_refunds_noop_total counter
 slotbook_refunds_noop_total{limiter="api"} 2
 # HELP slotbook_refunded_seconds_total Time given back by refunds.
