@@ -6,9 +6,9 @@ package metrics_test
 //
 // Findings, failing when handed over, now fixed: TestReviewMTCancelAfterLostReply,
 // TestReviewMTFallbackCheckModeInBookedWait, TestReviewMTBudget (deadline
-// overflow), TestReviewMTTypedNilCollector (minor). Still FAILING on the
-// current code: TestReviewMTRecalledCountedTwice (throttle's BookRetry,
-// being fixed with the booked-retries change). The others pass.
+// overflow), TestReviewMTTypedNilCollector (minor),
+// TestReviewMTRecalledCountedTwice (throttle's BookRetry, fixed with the
+// booked-retries change, 386ef90). The others pass.
 
 import (
 	"context"
@@ -809,8 +809,8 @@ func TestReviewMTDeadlineError(t *testing.T) {
 
 // TestReviewMTRecalledCountedTwice: throttle.Engine.BookRetry (package
 // asynqadapter's booking of retries) recalls a recorded booking: "nothing
-// was booked". The metrics count the booking once when it was made, and
-// again as booked when it is recalled.
+// was booked". The metrics counted the booking once when it was made, and
+// again as booked when it was recalled (fixed in 386ef90).
 func TestReviewMTRecalledCountedTwice(t *testing.T) {
 	t.Parallel()
 	m := collector(t)
@@ -841,8 +841,8 @@ func TestReviewMTRecalledCountedTwice(t *testing.T) {
 	booked := mtDec(t, reg, "rt", throttle.Booked)
 	n, sum := mtHist(t, reg, "slotbook_booked_wait_seconds", map[string]string{"limiter": "rt"})
 	t.Logf("Redis booked 2; metrics: booked=%v, wait histogram count=%d sum=%v", booked, n, sum)
-	// FAILS on the current code (see report): the recall counts as a
-	// third booking, and its wait is observed a second time.
+	// Failed before 386ef90: the recall counted as a third booking, and
+	// its wait was observed a second time.
 	require.Equal(t, 2.0, booked, "a recall books nothing")
 	require.Equal(t, uint64(2), n)
 }
