@@ -62,8 +62,9 @@
 // it on whichever server takes it, without booking again: a returning task
 // recalls its booking with one call, which takes it out of the index (a
 // task cut short by a server's shutdown and run again as the same attempt
-// then books a slot of its own; one cut short before its slot puts the
-// booking back for its next attempt). The max wait then
+// then books a slot of its own; one cut short while it sleeps until its
+// slot puts the booking back for its next attempt, unless that attempt
+// has booked first). The max wait then
 // only bounds how long a handler holds a worker. Set asynq's
 // TaskCheckInterval to about 100ms with it: idle asynq workers look for
 // new tasks only that often (every 0.5 to 1.5 s by default), and a task

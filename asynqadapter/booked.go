@@ -41,7 +41,14 @@ import (
 // of its own rather than run again at one already used. A task cut short
 // while it sleeps until its slot has not used it: it puts the booking
 // back in the index (throttle.Engine.RestoreRetry), as long as the slot
-// has not come, for its next attempt to recall.
+// has not come, for its next attempt to recall. That can come too late:
+// asynq puts the task back on its queue before it ends the handler's
+// context, so the next attempt may call first and book a slot of its own,
+// and the first goes unused (as it does if the recall's reply is lost).
+// A booking given back (WithInspector: the task would not come back in
+// time for its Deadline) has its entry taken out first, in a call of its
+// own, so that the task run again by hand, on any server, cannot recall a
+// slot given to someone else.
 //
 // Run booked retries on every server that serves a key: a server without
 // them books afresh for a task another has booked, and the booking lapses.
@@ -238,7 +245,7 @@ func (m *middleware) bookedAttempt(ctx context.Context, key string, t *asynq.Tas
 			// hand before its time): the slot stays spent; book again.
 			return m.bookedAttempt(ctx, key, t, next)
 		}
-		return m.runRecalled(ctx, at, idx, rb, t, next), true
+		return m.runRecalled(ctx, at, subject, idx, rb, t, next), true
 	case !rb.OK:
 		return m.refused(ctx, key, deadline.Refuse(bound, budget, rb.Wait)), true
 	case rb.Recorded:
@@ -251,12 +258,17 @@ func (m *middleware) bookedAttempt(ctx context.Context, key string, t *asynq.Tas
 		if m.cfg.insp != nil {
 			// Due back at back, taken up by the slot: pastDeadline's
 			// rule for a task due back at back, which the budget above
-			// keeps. Should it fail, the booking is given back and its
-			// entry forgotten, so that no attempt runs at a slot that is
-			// no longer its own.
+			// keeps. Should it fail, the task is archived: its entry is
+			// taken out of the index, then the booking given back, so
+			// that no attempt (the task run again by hand, on any
+			// server) runs at a slot that is no longer its own. If the
+			// entry cannot be taken out, the booking stays.
 			if err := m.pastDeadline(ctx, back); err != nil {
-				m.giveBack(ctx, subject, rb.Booking)
-				b.forgetLater(subject, member)
+				if m.forgetNow(ctx, subject, member) {
+					m.giveBack(ctx, subject, rb.Booking)
+				} else {
+					b.forgetLater(subject, member)
+				}
 				return fmt.Errorf("%w: %w", e, err), true
 			}
 		}
@@ -307,16 +319,29 @@ func (m *middleware) runAt(ctx context.Context, at time.Time, bk throttle.Bookin
 // and runs the task. If ctx ends first (a server shutting down puts the
 // task back on its queue, as the same attempt), rb goes back in the index
 // for the next attempt, while its slot has not come.
-func (m *middleware) runRecalled(ctx context.Context, at time.Time, idx throttle.RetryIndex, rb throttle.RetryBooking, t *asynq.Task, next asynq.Handler) error {
+func (m *middleware) runRecalled(ctx context.Context, at time.Time, subject string, idx throttle.RetryIndex, rb throttle.RetryBooking, t *asynq.Task, next asynq.Handler) error {
 	if d := time.Until(at); d > 0 {
 		if err := sleep(ctx, d); err != nil {
 			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 			defer cancel()
-			_, _ = m.booked.eng.RestoreRetry(cctx, idx, rb)
+			_, _ = m.booked.eng.RestoreRetry(cctx, []string{subject}, idx, rb)
 			return err
 		}
 	}
 	return next.ProcessTask(ctx, t)
+}
+
+// forgetScript takes member ARGV[1] out of the retry index KEYS[1].
+var forgetScript = throttle.NewScript(`redis.call('ZREM', KEYS[1], ARGV[1])
+return 0`)
+
+// forgetNow takes member's entry out of subject's index, in a call of its
+// own, and reports whether it did (or it was not there).
+func (m *middleware) forgetNow(ctx context.Context, subject, member string) bool {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+	defer cancel()
+	_, err := m.booked.eng.RunScript(cctx, forgetScript, []string{subject + ":asynq"}, member)
+	return err == nil
 }
 
 // giveBack refunds a booking whose task will not run at it.

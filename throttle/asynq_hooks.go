@@ -234,6 +234,10 @@ func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, r
 var restoreRetryScript = newScript(clockSrc + `
 local at = tonumber(ARGV[3])
 if at <= now then return 0 end
+for i = 2, #KEYS do
+  local tat = tonumber(redis.call('GET', KEYS[i]))
+  if not tat or tat < at then return 0 end
+end
 if redis.call('ZADD', KEYS[1], 'NX', ARGV[3], ARGV[2]) == 0 then return 0 end
 local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
 local ttl = math.ceil((tonumber(last[2]) - now + tonumber(ARGV[4])) / 1000) + 1
@@ -241,23 +245,34 @@ redis.call('PEXPIRE', KEYS[1], string.format('%d', ttl))
 return 1
 `)
 
-// RestoreRetry puts the booking rb, recalled from the index idx.Key under
-// idx.Member by BookRetry, back in the index, for a later BookRetry of the
-// same member to recall again: for a caller that will not act on it after
-// all (package asynqadapter's task cut short before its slot, which asynq
-// runs again as the same attempt). It does so only while the slot has not
-// come on the Redis clock, so that no one can have acted on it, and only
-// if the member is not in the index again (booked anew meanwhile); it
-// reports whether it did. Other fields of idx are not used.
-func (e *Engine) RestoreRetry(ctx context.Context, idx RetryIndex, rb RetryBooking) (bool, error) {
-	if idx.Member == "" || strings.ContainsAny(idx.Member, "\x00") || !rb.Recalled || !rb.OK {
-		return false, fmt.Errorf("%w: retry index %q, member %q: want a member and a recalled booking", ErrInvalidRequest, idx.Key, idx.Member)
+// RestoreRetry puts the booking rb, recalled by BookRetry from the index
+// idx.Key under idx.Member for keys (BookRetry's), back in the index, for a
+// later BookRetry of the same member to recall again: for a caller that
+// will not act on it after all (package asynqadapter's task cut short
+// before its slot, which asynq runs again as the same attempt). Call it
+// once per recall: the booking is its caller's to put back, and a second
+// call after another recall would offer it twice. It does so only while
+// the slot has not come on the Redis clock, so that no one can have acted
+// on it; only while every key still holds a TAT at or beyond the slot, so
+// that a booking lost with the keys' state (a flush, a Reset) does not
+// come back beside the bookings made since; and only if the member is not
+// in the index again (booked anew meanwhile). It reports whether it did.
+// Other fields of idx are not used.
+func (e *Engine) RestoreRetry(ctx context.Context, keys []string, idx RetryIndex, rb RetryBooking) (bool, error) {
+	if idx.Member == "" || strings.ContainsAny(idx.Member, "\x00") || !rb.Recalled || !rb.OK || len(keys) == 0 || len(keys) > MaxLimits {
+		return false, fmt.Errorf("%w: retry index %q, member %q: want a member, a recalled booking and its keys", ErrInvalidRequest, idx.Key, idx.Member)
 	}
-	if err := CheckKey(idx.Key); err != nil {
-		return false, err
+	all := append([]string{idx.Key}, keys...)
+	for _, k := range all {
+		if err := CheckKey(k); err != nil {
+			return false, err
+		}
+		if HashTag(k) != HashTag(idx.Key) {
+			return false, fmt.Errorf("%w: retry index %q and key %q: want one hash tag", ErrInvalidRequest, idx.Key, k)
+		}
 	}
 	at := strconv.FormatInt(rb.At.UnixMicro(), 10)
-	reply, err := e.runReply(ctx, restoreRetryScript, []string{idx.Key}, []any{nowArg(ctx), idx.Member, at, int64(retrySpent / time.Microsecond)})
+	reply, err := e.runReply(ctx, restoreRetryScript, all, []any{nowArg(ctx), idx.Member, at, int64(retrySpent / time.Microsecond)})
 	if err != nil {
 		return false, fmt.Errorf("throttle: restore retry %q: %w", idx.Key, err)
 	}

@@ -35,7 +35,7 @@ func TestNoRetryAfterSend(t *testing.T) {
 	require.NoError(t, err)
 
 	proxy.SetReplyDelay(time.Hour) // the reply is held until the connection is severed
-	watch := t.Context() // ends with the test: the watch below never outlives it
+	watch := t.Context()           // ends with the test: the watch below never outlives it
 	go func() {
 		// Once the script has run (the key moved on), the connection
 		// breaks with its reply in flight.
