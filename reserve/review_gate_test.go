@@ -811,7 +811,7 @@ func TestReviewGTRandomCoalesced(t *testing.T) {
 	ctx := context.Background()
 	const burst = 1
 	const delay = 150 * time.Millisecond
-	fails := 0
+	fails, unset := 0, 0
 	for round := range 8 {
 		p.SetReplyDelay(0)
 		key := fmt.Sprintf("rc%d", round)
@@ -843,6 +843,7 @@ func TestReviewGTRandomCoalesced(t *testing.T) {
 		})
 		time.Sleep(delay / 4)
 		ec, ecancel := context.WithCancel(ctx)
+		queued := true // every request queued behind the leader: the scene
 		for i := range nreq {
 			c := ctx
 			var cancel context.CancelFunc = func() {}
@@ -856,9 +857,28 @@ func TestReviewGTRandomCoalesced(t *testing.T) {
 				defer cancel()
 				rs[i], errs[i] = l.ReserveN(c, key, ns[i])
 			})
-			for reserve.QueueLen(l, key) < i+1 {
+			// It queues behind the leader, unless the machine is so slow
+			// that the leader's call came back first (or an 'L' request's
+			// deadline passed before it could queue): then the round's
+			// scene is not set. (Before, this waited for good, and the
+			// package ran into go test's 10-minute timeout once on a busy
+			// machine.)
+			for give := time.Now().Add(5 * time.Second); queued && reserve.QueueLen(l, key) < i+1; {
+				if time.Now().After(give) {
+					queued = false
+				}
 				time.Sleep(time.Millisecond)
 			}
+			if !queued {
+				break
+			}
+		}
+		if !queued {
+			ecancel()
+			wg.Wait()
+			t.Logf("round %d: a request did not queue behind the leader within 5 s (a busy machine): scene not set, round skipped", round)
+			unset++
+			continue
 		}
 		time.AfterFunc(delay-delay/4+delay/3, ecancel) // the queued batch is out
 		wg.Wait()
@@ -909,4 +929,7 @@ func TestReviewGTRandomCoalesced(t *testing.T) {
 		}
 	}
 	require.Zero(t, fails, "seed %d", seed)
+	if unset == 8 {
+		t.Skip("no round's scene was set: the machine too slow for it")
+	}
 }
