@@ -20,7 +20,7 @@
 //	                                                 call's may have booked slots nobody will use (quota
 //	                                                 wasted), a refund's may have given time back
 //	slotbook_refunds_total{limiter}                  refunds that gave time back (one whose reply was lost
-//	                                                 is counted, once, when it is retried)
+//	                                                 is counted, once, when it is retried before its slot)
 //	slotbook_refunds_noop_total{limiter}             refunds that gave nothing back: a later booking or a
 //	                                                 pause stood on the booking (any refund); its slot had
 //	                                                 come (the engine's Refund called directly: reserve's

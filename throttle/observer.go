@@ -63,9 +63,12 @@ type Observer interface {
 	// most it gave any of the booking's limits). A refund whose reply was
 	// lost is reported by its retry (the documented safe retry, which
 	// itself gives nothing): with the time the lost attempt gave back,
-	// read from its tombstone, once; any other call for a booking already
-	// given back is reported as giving 0. A lost refund never retried is
-	// not reported here (ObserveCall reports its ErrReplyLost).
+	// read from its tombstone, once, if the retry comes before the
+	// booking's slot (the tombstone lives until then; reserve's Cancel
+	// makes no call once the slot has come); any other call for a booking
+	// already given back is reported as giving 0. A lost refund never
+	// retried, or retried only after the slot, is not reported here
+	// (ObserveCall reports its ErrReplyLost).
 	ObserveRefund(limiter string, given time.Duration)
 	// ObserveBreaker reports the engine's first breaker opening (a Redis
 	// node unavailable: calls for its subjects fail fast or go to the

@@ -504,10 +504,15 @@ func (e *Engine) refund(ctx context.Context, keys []string, limits []Limit, b Bo
 		return nil, fmt.Errorf("throttle: refund %q: %w", keys[0], err)
 	}
 	given := make([]time.Duration, len(keys))
+	var earlier time.Duration
 	for i := range given {
 		given[i] = time.Duration(vals[1+i]) * time.Microsecond
+		// What a tombstone says an earlier refund gave, at most what
+		// the booking held on that key (a tombstone written by another
+		// client is not trusted beyond that).
+		earlier = max(earlier, time.Duration(min(vals[1+len(keys)+i], max(b.ends[i]-b.starts[i], 0)))*time.Microsecond)
 	}
-	e.observer.ObserveRefund(label(keys[0]), reported(rep, slices.Max(given), time.Duration(slices.Max(vals[1+len(keys):]))*time.Microsecond))
+	e.observer.ObserveRefund(label(keys[0]), reported(rep, slices.Max(given), earlier))
 	return given, nil
 }
 

@@ -70,13 +70,14 @@ end
 if gave then
   redis.call('SET', KEYS[m + 1], table.concat(record, ' '), 'PX', px(slot, now, hold))
 end
-local earlier, n = {}, 0
-if tomb then
-  for v in string.gmatch(tomb, '%d+') do
-    if n > 0 and n <= m then
-      earlier[n] = tonumber(v)
-    end
-    n = n + 1
+-- What a tombstone found records: only "1" and exactly m counts of
+-- digits, one space before each; anything else records nothing.
+local earlier = {}
+if tomb and string.find(tomb, '^1 [%d ]*%d$') then
+  local parts = {}
+  for v in string.gmatch(tomb, '[^ ]+') do parts[#parts + 1] = v end
+  if #parts == m + 1 and not string.find(tomb, '  ') then
+    for i = 1, m do earlier[i] = tonumber(parts[i + 1]) end
   end
 end
 for i = 1, m do
