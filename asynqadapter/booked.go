@@ -331,17 +331,12 @@ func (m *middleware) runRecalled(ctx context.Context, at time.Time, subject stri
 	return next.ProcessTask(ctx, t)
 }
 
-// forgetScript takes member ARGV[1] out of the retry index KEYS[1].
-var forgetScript = throttle.NewScript(`redis.call('ZREM', KEYS[1], ARGV[1])
-return 0`)
-
 // forgetNow takes member's entry out of subject's index, in a call of its
 // own, and reports whether it did (or it was not there).
 func (m *middleware) forgetNow(ctx context.Context, subject, member string) bool {
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
-	_, err := m.booked.eng.RunScript(cctx, forgetScript, []string{subject + ":asynq"}, member)
-	return err == nil
+	return m.booked.eng.ForgetRetry(cctx, throttle.RetryIndex{Key: subject + ":asynq", Member: member}) == nil
 }
 
 // giveBack refunds a booking whose task will not run at it.

@@ -282,3 +282,25 @@ func (e *Engine) RestoreRetry(ctx context.Context, keys []string, idx RetryIndex
 	}
 	return put == 1, nil
 }
+
+var forgetRetryScript = newScript(`redis.call('ZREM', KEYS[1], ARGV[1])
+return 0`)
+
+// ForgetRetry takes idx.Member out of the index idx.Key, in a call of its
+// own, for a caller that must be sure no later BookRetry recalls it before
+// it acts: package asynqadapter's, before it gives a recorded booking back
+// (RefundAll), so that the task run again cannot recall a slot given to
+// someone else. (BookRetry's idx.Forget does the same in the caller's next
+// booking call.) Other fields of idx are not used.
+func (e *Engine) ForgetRetry(ctx context.Context, idx RetryIndex) error {
+	if idx.Member == "" || strings.ContainsAny(idx.Member, "\x00") {
+		return fmt.Errorf("%w: retry index %q, member %q: want a member", ErrInvalidRequest, idx.Key, idx.Member)
+	}
+	if err := CheckKey(idx.Key); err != nil {
+		return err
+	}
+	if _, err := e.runReply(ctx, forgetRetryScript, []string{idx.Key}, []any{idx.Member}); err != nil {
+		return fmt.Errorf("throttle: forget retry %q: %w", idx.Key, err)
+	}
+	return nil
+}

@@ -142,3 +142,37 @@ func TestBookRetrySpent(t *testing.T) {
 	_, err = e.rdb.ZScore(context.Background(), e.prefix+"p:{k}:asynq", "gone").Result()
 	require.ErrorIs(t, err, redis.Nil, "the spent entry is dropped")
 }
+
+// TestForgetRetry: ForgetRetry takes one member out of the index at once,
+// so that BookRetry books it anew rather than recall it; forgetting a
+// member not there is no error; bad input is refused before any call.
+func TestForgetRetry(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := testhook.WithNow(context.Background(), 1_000_000_000)
+	lim := throttle.PerSecond(10, 0)
+	keys := []string{"f:{k}"}
+	idx := throttle.RetryIndex{Key: "f:{k}:asynq", Member: "m"}
+	book := func() throttle.RetryBooking {
+		t.Helper()
+		rb, err := e.eng.BookRetry(ctx, keys, []throttle.Limit{lim}, throttle.Request{N: 1, MaxWait: time.Minute}, idx)
+		require.NoError(t, err)
+		return rb
+	}
+	_, err := e.eng.Book(ctx, keys[0], lim, throttle.Request{N: 1, MaxWait: time.Minute}) // the next slot 100ms away
+	require.NoError(t, err)
+	first := book()
+	require.True(t, first.Recorded, "a wait beyond KeepFrom (0): recorded")
+	require.NoError(t, e.eng.ForgetRetry(ctx, idx))
+	n, err := e.rdb.ZCard(context.Background(), e.prefix+idx.Key).Result()
+	require.NoError(t, err)
+	require.Zero(t, n, "taken out")
+	again := book()
+	require.False(t, again.Recalled, "forgotten: booked anew")
+	require.Equal(t, first.At.Add(100*time.Millisecond), again.At)
+	require.NoError(t, e.eng.ForgetRetry(ctx, throttle.RetryIndex{Key: idx.Key, Member: "absent"}))
+
+	for _, bad := range []throttle.RetryIndex{{Key: idx.Key}, {Key: idx.Key, Member: "a\x00b"}, {Member: "m"}} {
+		require.ErrorIs(t, e.eng.ForgetRetry(ctx, bad), throttle.ErrInvalidRequest, "%+v", bad)
+	}
+}
