@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"hash/fnv"
 	"strconv"
-	"sync"
 	"time"
 
 	"github.com/hibiken/asynq"
@@ -54,7 +53,8 @@ import (
 // them books afresh for a task another has booked, and the booking lapses.
 // A horizon shorter than the queue of a busy key, or task Timeouts close
 // to the check interval plus the max wait, leave little to book ahead and
-// cost calls. One call per key is in flight per process at a time.
+// cost calls. Each attempt makes one call; the attempts of one key in one
+// process make theirs side by side (none waits for another's).
 //
 // If the limiter's Redis loses its state (a restart without persistence,
 // a flush), the next bookings start from an empty key, with a full burst,
@@ -90,93 +90,14 @@ type bookedConfig struct {
 	horizon time.Duration
 }
 
-const (
-	maxForget = 256         // given-back entries sent for removal, per key and call
-	cacheKeep = time.Minute // members to forget are dropped after this long (Redis has dropped their entries)
-)
-
 // booked is the middleware's state for booked retries.
 type booked struct {
 	bookedConfig
 	runCap time.Duration // the max wait for running now
-
-	mu       sync.Mutex               // guards the fields below
-	inflight map[string]chan struct{} // per subject: closed when its call returns
-	forget   map[string][]string      // per subject: members given back, to take out of the index
-	forgotAt map[string]time.Time     // per subject in forget: when its first member was added
-	pruned   time.Time                // when prune last ran
 }
 
 func newBooked(c *bookedConfig, runCap time.Duration) *booked {
-	return &booked{bookedConfig: *c, runCap: runCap, inflight: map[string]chan struct{}{}, forget: map[string][]string{},
-		forgotAt: map[string]time.Time{}}
-}
-
-// forgetLater has the next call for subject take member out of the index.
-func (b *booked) forgetLater(subject, member string) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	b.addForget(subject, member)
-}
-
-// addForget has the next call for subject take member out of the index
-// (at most maxForget members wait per subject; an entry not taken out is
-// dropped by Redis a minute after its slot). Call with b.mu held.
-func (b *booked) addForget(subject, member string) {
-	f := b.forget[subject]
-	if len(f) >= maxForget {
-		return
-	}
-	if len(f) == 0 {
-		b.forgotAt[subject] = time.Now()
-	}
-	b.forget[subject] = append(f, member)
-}
-
-// prune drops, at most once per cacheKeep, the members of keys that have
-// gone quiet waiting to be taken out of an index for longer than that
-// (Redis has dropped them by then). Call with b.mu held.
-func (b *booked) prune(now time.Time) {
-	if now.Sub(b.pruned) < cacheKeep {
-		return
-	}
-	b.pruned = now
-	for subject, at := range b.forgotAt {
-		if _, busy := b.inflight[subject]; !busy && now.Sub(at) > cacheKeep {
-			delete(b.forget, subject)
-			delete(b.forgotAt, subject)
-		}
-	}
-}
-
-// enter makes the caller the one with a call in flight for subject, or
-// returns the channel closed when the current one returns.
-func (b *booked) enter(subject string) (wait chan struct{}, forget []string) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if ch, ok := b.inflight[subject]; ok {
-		return ch, nil
-	}
-	b.inflight[subject] = make(chan struct{})
-	forget = b.forget[subject]
-	delete(b.forget, subject)
-	delete(b.forgotAt, subject)
-	return nil, forget
-}
-
-// leave ends the caller's call for subject; the members it was to forget
-// wait for the next call if it failed.
-func (b *booked) leave(subject string, forget []string, failed bool) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if failed {
-		for _, member := range forget {
-			b.addForget(subject, member)
-		}
-	}
-	close(b.inflight[subject])
-	delete(b.inflight, subject)
-	b.prune(time.Now())
+	return &booked{bookedConfig: *c, runCap: runCap}
 }
 
 // bookedAttempt runs a task's attempt with booked retries. handled is
@@ -195,18 +116,6 @@ func (m *middleware) bookedAttempt(ctx context.Context, key string, t *asynq.Tas
 	queue, _ := asynq.GetQueueName(ctx)
 	member := bookedMember(queue, id, retried, t)
 	subject := m.lim.Name() + ":{" + key + "}"
-	var forget []string
-	for {
-		var wait chan struct{}
-		if wait, forget = b.enter(subject); wait == nil {
-			break
-		}
-		select {
-		case <-wait:
-		case <-ctx.Done():
-			return ctx.Err(), true
-		}
-	}
 	now := time.Now()
 	keep, keepBound := deadline.Budget(ctx, now, b.runCap, m.cfg.work)
 	// A slot less than one check interval away is waited for here, as far
@@ -224,13 +133,11 @@ func (m *middleware) bookedAttempt(ctx context.Context, key string, t *asynq.Tas
 	budget, bound := deadline.Budget(ctx, now, b.horizon, m.cfg.work+deadlineMargin)
 	budget = max(budget, keep)
 	if budget < 0 {
-		b.leave(subject, forget, true)
 		return m.refused(ctx, key, deadline.Refuse(bound, budget, 0)), true
 	}
-	idx := throttle.RetryIndex{Key: subject + ":asynq", Member: member, KeepFrom: max(keep, 0), Forget: forget}
+	idx := throttle.RetryIndex{Key: subject + ":asynq", Member: member, KeepFrom: max(keep, 0)}
 	rb, err := b.eng.BookRetry(ctx, []string{subject}, m.lim.Limits(), throttle.Request{N: 1, MaxWait: budget}, idx)
 	arrived := time.Now()
-	b.leave(subject, forget, err != nil)
 	switch {
 	case err != nil:
 		return nil, false
@@ -262,12 +169,11 @@ func (m *middleware) bookedAttempt(ctx context.Context, key string, t *asynq.Tas
 			// taken out of the index, then the booking given back, so
 			// that no attempt (the task run again by hand, on any
 			// server) runs at a slot that is no longer its own. If the
-			// entry cannot be taken out, the booking stays.
+			// entry cannot be taken out, the booking stays, and only the
+			// task can recall it.
 			if err := m.pastDeadline(ctx, back); err != nil {
 				if m.forgetNow(ctx, subject, member) {
 					m.giveBack(ctx, subject, rb.Booking)
-				} else {
-					b.forgetLater(subject, member)
 				}
 				return fmt.Errorf("%w: %w", e, err), true
 			}
