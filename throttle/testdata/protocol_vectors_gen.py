@@ -20,15 +20,20 @@ L3b0 = {"rate": 3, "period_ms": 1000, "burst": 0}     # I = ceil(1e6/3) = 333334
 s = lambda v: str(v)
 V = []
 
-# book1's hand-worked outcome is given as [now, booked (1/0), wait, tat
-# judged against]; book1() lays it out as the script's reply string (see
-# docs/PROTOCOL.md: "s u", then " tat" unless tat = now, "-" before it if
-# refused; under an explicit now s is "0" and u is now) and as 'expect',
+# book1 takes ARGV "" (or now), n*I, tau + I, W (docs/PROTOCOL.md, book1.lua:
+# what its decision needs, worked out by the client). Each call below gives
+# n*I and tau + I as worked out by hand from the limit (L10b5: I = 100000,
+# tau + I = 600000), then n and W; the waits in the notes are the
+# definition's, max(0, tat + (n-1)*I - tau - now), which the script reads as
+# tat + n*I - (tau + I) - now. The hand-worked outcome is given as [now,
+# booked (1/0), wait, tat judged against]; book1() lays it out as the
+# script's reply string ("s u", then " tat" unless tat = now, "-" before it
+# if refused; under an explicit now s is "0" and u is now) and as 'expect',
 # what the engine makes of it.
-def book1(name, note, before, limit, I, tau, n, w, outcome, after, now=N, error=None):
+def book1(name, note, before, limit, nI, tauI, n, w, outcome, after, now=N, error=None):
     v = {"name": name, "script": "book1", "note": note, "now": now,
          "input": {"prefix": P, "keys": ["api:{s}"], "limits": [limit], "requests": [{"n": n, "max_wait_us": w}]},
-         "keys": [K1], "argv": [s(now), s(I), s(tau), s(n), s(w)], "before": before}
+         "keys": [K1], "argv": [s(now), s(nI), s(tauI), s(w)], "before": before}
     if error: v["error"] = error
     else:
         at, ok, wait, tat = outcome
@@ -40,52 +45,57 @@ def book1(name, note, before, limit, I, tau, n, w, outcome, after, now=N, error=
     V.append(v)
 
 book1("idle key: books at once", "tat = now; wait = max(0, now + 0*I - tau - now) = 0 <= 0; store now + I",
-      {}, L10b5, 100000, 500000, 1, 0, [N, 1, 0, N], {K1: {"value": s(T(100000)), "px": 101}})
+      {}, L10b5, 100000, 600000, 1, 0, [N, 1, 0, N], {K1: {"value": s(T(100000)), "px": 101}})
 book1("sixth request after idle passes at once (burst 5: 6 back to back)",
       "stored now+5I: wait = max(0, now+500000 - 500000 - now) = 0; store now+600000",
-      {K1: {"value": s(T(500000)), "px": 501}}, L10b5, 100000, 500000, 1, 0,
+      {K1: {"value": s(T(500000)), "px": 501}}, L10b5, 100000, 600000, 1, 0,
       [N, 1, 0, T(500000)], {K1: {"value": s(T(600000)), "px": 601}})
 book1("seventh is refused with the exact retry-after; nothing written",
       "stored now+6I: wait = now+600000 - 500000 - now = 100000 > 0: refuse",
-      {K1: {"value": s(T(600000)), "px": 601}}, L10b5, 100000, 500000, 1, 0,
+      {K1: {"value": s(T(600000)), "px": 601}}, L10b5, 100000, 600000, 1, 0,
       [N, 0, 100000, T(600000)], {K1: {"value": s(T(600000))}})
 book1("seventh with max wait 100 ms books the slot 100 ms ahead",
       "wait 100000 <= 100000: store tat + I = now+700000",
-      {K1: {"value": s(T(600000)), "px": 601}}, L10b5, 100000, 500000, 1, 100000,
+      {K1: {"value": s(T(600000)), "px": 601}}, L10b5, 100000, 600000, 1, 100000,
       [N, 1, 100000, T(600000)], {K1: {"value": s(T(700000)), "px": 701}})
 book1("max wait one microsecond short refuses",
       "wait 100000 > 99999: refuse, write nothing",
-      {K1: {"value": s(T(600000)), "px": 601}}, L10b5, 100000, 500000, 1, 99999,
+      {K1: {"value": s(T(600000)), "px": 601}}, L10b5, 100000, 600000, 1, 99999,
       [N, 0, 100000, T(600000)], {K1: {"value": s(T(600000))}})
+# n*I = 3*100000 = 300000, tau + I = 600000
 book1("three units on an idle key",
       "wait = max(0, now + 2*I - tau - now) = 0; store now + 3*I",
-      {}, L10b5, 100000, 500000, 3, 0, [N, 1, 0, N], {K1: {"value": s(T(300000)), "px": 301}})
+      {}, L10b5, 300000, 600000, 3, 0, [N, 1, 0, N], {K1: {"value": s(T(300000)), "px": 301}})
+# n*I = 6*100000 = 600000, tau + I = 600000
 book1("burst+1 units need the whole tolerance",
       "stored now+I, n = 6: wait = now+100000 + 5*100000 - 500000 - now = 100000 > 0: refuse",
-      {K1: {"value": s(T(100000)), "px": 101}}, L10b5, 100000, 500000, 6, 0,
+      {K1: {"value": s(T(100000)), "px": 101}}, L10b5, 600000, 600000, 6, 0,
       [N, 0, 100000, T(100000)], {K1: {"value": s(T(100000))}})
 book1("a stored TAT in the past counts as now",
       "tat = max(now-5s, now) = now; the reply carries now, not the stored value",
-      {K1: {"value": s(T(-5000000)), "px": 3600000}}, L10b5, 100000, 500000, 1, 0,
+      {K1: {"value": s(T(-5000000)), "px": 3600000}}, L10b5, 100000, 600000, 1, 0,
       [N, 1, 0, N], {K1: {"value": s(T(100000)), "px": 101}})
+# L3b0: n*I = 333334, tau + I = 0 + 333334
 book1("interval rounded up to a microsecond, PX rounded up plus 1 ms",
       "3 per second: I = ceil(1000000/3) = 333334; store now+333334; PX = ceil(333334/1000)+1 = 335",
-      {}, L3b0, 333334, 0, 1, 0, [N, 1, 0, N], {K1: {"value": s(T(333334)), "px": 335}})
+      {}, L3b0, 333334, 333334, 1, 0, [N, 1, 0, N], {K1: {"value": s(T(333334)), "px": 335}})
 for val, why in [("abc", "not digits"), ("1e30", "not digits only"), ("-5", "a sign"),
                  ("10000000000000000", "17 characters"), ("9999999999999999", "more than 2^53")]:
     book1("corrupt value %s is an error naming the key" % json.dumps(val),
           "%s: SLOTBOOK_CORRUPT, nothing written" % why,
-          {K1: {"value": val, "px": 3600000}}, L10b5, 100000, 500000, 1, 0, None,
+          {K1: {"value": val, "px": 3600000}}, L10b5, 100000, 600000, 1, 0, None,
           {K1: {"value": val}}, error="SLOTBOOK_CORRUPT key %s holds %s, not a TAT" % (K1, json.dumps(val)))
-book1("a TAT beyond horizon + 2*tau + I is an error",
-      "H + 2*500000 + 100000 + 1 ahead: no booking under this limit reaches there",
-      {K1: {"value": s(T(H + 1100001)), "px": 3600000}}, L10b5, 100000, 500000, 1, 0, None,
-      {K1: {"value": s(T(H + 1100001))}},
-      error="SLOTBOOK_CORRUPT key %s holds a TAT %d microseconds ahead" % (K1, H + 1100001))
-book1("a TAT exactly horizon + 2*tau + I ahead is accepted (and refused)",
-      "wait = H + 1100000 - tau = H + 600000 > 0: refuse",
-      {K1: {"value": s(T(H + 1100000)), "px": 3600000}}, L10b5, 100000, 500000, 1, 0,
-      [N, 0, H + 600000, T(H + 1100000)], {K1: {"value": s(T(H + 1100000))}})
+# The corruption bound is H + 2*(tau + I) ahead (PROTOCOL.md, Stored values;
+# book1.lua reads it as H + 2 * reach): here H + 2*600000 = H + 1200000.
+book1("a TAT beyond horizon + 2*(tau + I) is an error",
+      "H + 2*(500000 + 100000) + 1 ahead: no booking under this limit reaches there",
+      {K1: {"value": s(T(H + 1200001)), "px": 3600000}}, L10b5, 100000, 600000, 1, 0, None,
+      {K1: {"value": s(T(H + 1200001))}},
+      error="SLOTBOOK_CORRUPT key %s holds a TAT %d microseconds ahead" % (K1, H + 1200001))
+book1("a TAT exactly horizon + 2*(tau + I) ahead is accepted (and refused)",
+      "wait = H + 1200000 - tau = H + 700000 > 0: refuse",
+      {K1: {"value": s(T(H + 1200000)), "px": 3600000}}, L10b5, 100000, 600000, 1, 0,
+      [N, 0, H + 700000, T(H + 1200000)], {K1: {"value": s(T(H + 1200000))}})
 
 # book's hand-worked outcome is given per request as (booked 1/0, wait,
 # the m TATs it is judged against) after now: [now, ok_1, w_1, tats_1...,
@@ -254,11 +264,11 @@ block("pause over a corrupt value is an error", "the value is checked as booking
 
 book1("after a 2 s pause the first request waits 2 s",
       "stored now+2.5s: wait = now+2.5s - tau - now = 2s",
-      {K1: {"value": s(T(2500000)), "px": 2501}}, L10b5, 100000, 500000, 1, H,
+      {K1: {"value": s(T(2500000)), "px": 2501}}, L10b5, 100000, 600000, 1, H,
       [N, 1, 2000000, T(2500000)], {K1: {"value": s(T(2600000)), "px": 2601}})
 book1("and the next one an interval later, not in a burst",
       "stored now+2.6s: wait = 2.1s",
-      {K1: {"value": s(T(2600000)), "px": 2601}}, L10b5, 100000, 500000, 1, H,
+      {K1: {"value": s(T(2600000)), "px": 2601}}, L10b5, 100000, 600000, 1, H,
       [N, 1, 2100000, T(2600000)], {K1: {"value": s(T(2700000)), "px": 2701}})
 
 def reset(name, note, before, keys, reply, after):
