@@ -16,6 +16,7 @@ W = P + "win:{s}"
 L10b5 = {"rate": 10, "period_ms": 1000, "burst": 5}   # I = 100000, tau = 500000
 L10b2 = {"rate": 10, "period_ms": 1000, "burst": 2}   # I = 100000, tau = 200000
 L20m4 = {"rate": 20, "period_ms": 60000, "burst": 4}  # I = 3000000, tau = 12000000
+L60m4 = {"rate": 60, "period_ms": 60000, "burst": 4} # I = 1000000, tau = 4000000
 L3b0 = {"rate": 3, "period_ms": 1000, "burst": 0}     # I = ceil(1e6/3) = 333334, tau = 0
 s = lambda v: str(v)
 V = []
@@ -223,11 +224,11 @@ refund("unused: a booking no one acted on comes back after its slot, as far as i
        [(T(600000), T(700000))], [T(200000), 100000, 0],
        {K1: {"value": s(T(600000)), "px": 401}, TOMB: {"value": "1 100000", "px": 501}})
 refund("two limits: a key whose end has passed gives nothing and is not written",
-       "an unused booking (slot now; tat1 now -> now+0.1s, tat2 now -> now+1s) refunded at now+0.5s with the latest "
+       "an unused booking (slot now; tat1 now -> now+0.1s, tat2 now -> now+1s under 60/min, I = 1s) refunded at now+0.5s with the latest "
        "end now+1s: key 1's end has passed (it gives 0, not -0.4s); key 2 gives 0.5s and is deleted (its earlier TAT "
        "passed); tombstone until now+1s, \"1 0 500000\"",
        T(500000), {K1: {"value": s(T(100000)), "px": 60000}, K2: {"value": s(T(1000000)), "px": 501}},
-       [K1, K2, TOMB], [L10b2, L20m4],
+       [K1, K2, TOMB], [L10b2, L60m4],
        {"now": N, "n": 1, "wait_us": 0, "tat_before": [N, N], "tat_after": [T(100000), T(1000000)], "id": "1a2b3c", "unused": True},
        T(1000000), [(N, T(100000)), (N, T(1000000))], [T(500000), 0, 500000, 0, 0],
        {K1: {"value": s(T(100000))}, K2: None, TOMB: {"value": "1 0 500000", "px": 501}})
