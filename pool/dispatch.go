@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/slotbook/slotbook/deadline"
+	"github.com/slotbook/slotbook/internal/detach"
 	"github.com/slotbook/slotbook/reserve"
 	"github.com/slotbook/slotbook/throttle"
 )
@@ -443,7 +444,7 @@ func (p *Pool) giveBack(js []*Job) {
 		// give-back that fails does not stop the ones under it: its reply
 		// may be lost with its refund run (a slow Redis), and theirs then
 		// give their room back.
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(j.ctx), time.Second)
+		ctx, cancel := detach.Context(j.ctx, p.lim.Engine().Timeout())
 		_ = j.res.Cancel(ctx)
 		cancel()
 	}
