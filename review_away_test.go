@@ -7,16 +7,17 @@ package slotbook_test
 // since stopping or pausing the shared one would disturb other tests.
 // The tests do not run in parallel: each counts goroutines.
 //
-// FAILS on the current code (one finding):
+// Failed on 7c689a5 (one finding, fixed since):
 //   - TestReviewAWPoolClosePaused: with an engine timeout of 1 s or more
-//     (a remote Redis), Pool.Close with Redis paused takes about one
-//     second per booking it gives back (1.0 s for 1 booking, 7.0 s for
-//     7), and the breaker never opens: each give-back's own one-second
+//     (a remote Redis), Pool.Close with Redis paused took about one
+//     second per booking it gave back (1.0 s for 1 booking, 7.0 s for
+//     7), and the breaker never opened: each give-back's own one-second
 //     context ends before the engine's timeout, which the engine counts
 //     as the caller giving up, not Redis being down, so every give-back
-//     is sent and waits out its second. Close's time grows with the
-//     bookings outstanding, without a bound of its own.
-// Every other test passes.
+//     was sent and waited out its second. Once closed, the pool now stops
+//     giving back at the first give-back that gets no answer in its
+//     second (the breaker still does not open: the second is the
+//     pool's bound, not Redis's).
 //
 // Oracles: the error each operation's doc promises; its time against a
 // control measured in the same run (the engine's timeout, documented as
@@ -793,7 +794,7 @@ func TestReviewAWPoolStopped(t *testing.T) {
 	settled(t, base, 2, "pool with Redis stopped")
 }
 
-// TestReviewAWPoolClosePaused (FAILS, see the file's comment): Close with
+// TestReviewAWPoolClosePaused (failed on 7c689a5, see the file's comment; fixed): Close with
 // Redis paused (SIGSTOP) and
 // bookings outstanding (jobs booked ahead, an Acquire caller sleeping
 // until its slot). How long does Close take, against the number of

@@ -11,7 +11,6 @@ import (
 	"github.com/hibiken/asynq"
 
 	"github.com/slotbook/slotbook/deadline"
-	"github.com/slotbook/slotbook/internal/detach"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -229,7 +228,7 @@ func (m *middleware) runAt(ctx context.Context, at time.Time, bk throttle.Bookin
 func (m *middleware) runRecalled(ctx context.Context, at time.Time, subject string, idx throttle.RetryIndex, rb throttle.RetryBooking, t *asynq.Task, next asynq.Handler) error {
 	if d := time.Until(at); d > 0 {
 		if err := sleep(ctx, d); err != nil {
-			cctx, cancel := detach.Context(ctx, m.booked.eng.Timeout())
+			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 			defer cancel()
 			_, _ = m.booked.eng.RestoreRetry(cctx, []string{subject}, idx, rb)
 			return err
@@ -241,14 +240,14 @@ func (m *middleware) runRecalled(ctx context.Context, at time.Time, subject stri
 // forgetNow takes member's entry out of subject's index, in a call of its
 // own, and reports whether it did (or it was not there).
 func (m *middleware) forgetNow(ctx context.Context, subject, member string) bool {
-	cctx, cancel := detach.Context(ctx, m.booked.eng.Timeout())
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
 	return m.booked.eng.ForgetRetry(cctx, throttle.RetryIndex{Key: subject + ":asynq", Member: member}) == nil
 }
 
 // giveBack refunds a booking whose task will not run at it.
 func (m *middleware) giveBack(ctx context.Context, subject string, bk throttle.Booking) {
-	cctx, cancel := detach.Context(ctx, m.booked.eng.Timeout())
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
 	_, _ = m.booked.eng.RefundAll(cctx, []string{subject}, m.lim.Limits(), bk)
 }

@@ -21,7 +21,6 @@ import (
 	"time"
 
 	"github.com/slotbook/slotbook/deadline"
-	"github.com/slotbook/slotbook/internal/detach"
 	"github.com/slotbook/slotbook/internal/testhook"
 	"github.com/slotbook/slotbook/internal/waitbound"
 	"github.com/slotbook/slotbook/throttle"
@@ -759,10 +758,9 @@ type sent struct {
 // was in and that nothing booked stands on (refundLate). With after (see
 // lateAfter) it runs on a goroutine of its own, so that the batch's other
 // calls have their answers first, and closes after once done; without,
-// before it returns. Either way the give-back is bounded as detach.Context
-// bounds it (a second, or a second past the engine's timeout where that
-// is a second or more), and the Limiter's bookings of key wait for it
-// (awaitGiven) from the moment giveBackLate is called.
+// before it returns. Either way the give-back is bounded by a one-second
+// timeout, and the Limiter's bookings of key wait for it (awaitGiven) from
+// the moment giveBackLate is called.
 func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.Booking, after chan struct{}) {
 	if len(late) == 0 {
 		return // the common case: no closure made
@@ -770,7 +768,7 @@ func (l *Limiter) giveBackLate(ctx context.Context, key string, late []throttle.
 	done := l.startGiving(key)
 	run := func() {
 		defer l.endGiving(key, done)
-		cctx, cancel := detach.Context(ctx, l.eng.Timeout())
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 		defer cancel()
 		_ = l.refundLate(cctx, key, late)
 	}
@@ -844,13 +842,12 @@ func (l *Limiter) awaitGiven(ctx context.Context, key string) {
 // context ended just after it looked): the late bookings book returned
 // (refundLate), then every booking that stands (held ones too), the
 // latest first, so that each gives its room back as far as nothing booked
-// since stands on it; a round trip each, each bounded as detach.Context
-// bounds it. It
+// since stands on it; a round trip each, each bounded by a second. It
 // stops at the first that fails: the bookings under it could give nothing
 // back while it stands.
 func (l *Limiter) giveBackEnded(ctx context.Context, key string, late []throttle.Booking, calls []*call) {
 	if len(late) > 0 {
-		cctx, cancel := detach.Context(ctx, l.eng.Timeout())
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 		err := l.refundLate(cctx, key, late)
 		cancel()
 		if err != nil {
@@ -1160,12 +1157,10 @@ func (r *Reservation) DelayFrom(t time.Time) time.Duration {
 
 // Wait sleeps until the slot. If ctx is done first, it cancels the
 // reservation and returns ctx's error: the give-back goes out on a context
-// of its own, bounded by a second (or, where the engine's timeout is a
-// second or more, by the engine's timeout: Redis then gets the blame, and
-// the node's breaker opens), after any give-backs of its batch's late
+// of its own, bounded by a second, after any give-backs of its batch's late
 // bookings (bounded by theirs), so with Redis slow to answer Wait can
-// return up to about two such bounds after ctx ends. For a refusal it
-// returns Err at once.
+// return up to about two seconds after ctx ends. For a refusal it returns
+// Err at once.
 func (r *Reservation) Wait(ctx context.Context) error {
 	if !r.OK() {
 		return r.err
@@ -1186,11 +1181,11 @@ func (r *Reservation) Wait(ctx context.Context) error {
 // slot has come.
 func (r *Reservation) giveBack(ctx context.Context, unused bool) error {
 	if r.late != nil && r.late.after != nil {
-		// The batch's own give-backs first (bounded as each is), so
-		// that this one's bound is its own.
+		// The batch's own give-backs first (bounded by their second), so
+		// that this one's second is its own.
 		<-r.late.after
 	}
-	cctx, cancel := detach.Context(ctx, r.lim.eng.Timeout())
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
 	return r.cancel(cctx, unused)
 }
