@@ -81,7 +81,7 @@ type Option func(*Limiter) error
 func WithMaxWait(d time.Duration) Option {
 	return func(l *Limiter) error {
 		if d < 0 {
-			return fmt.Errorf("reserve: negative max wait %v", d)
+			return fmt.Errorf("%w: negative max wait %v", throttle.ErrInvalidRequest, d)
 		}
 		l.maxWait = d
 		return nil
@@ -146,7 +146,10 @@ func WithWorkEstimate(d time.Duration) Option {
 // WithCoalescing turns the sharing of Redis calls between concurrent
 // callers for one key on (the default) or off. On, up to three callers of a
 // key send calls of their own beside the one in flight; more queue and share
-// the next call. Off, every ReserveN makes a Redis call of its own.
+// the next call. Off, every ReserveN goes to the engine on its own; the
+// engine may still merge bookings that find every connection busy into
+// one call (throttle.WithMerging, on by default: turn it off too for a
+// call per ReserveN).
 func WithCoalescing(on bool) Option {
 	return func(l *Limiter) error {
 		l.coalesce = on
@@ -353,7 +356,7 @@ func (l *Limiter) ReserveN(ctx context.Context, key string, n int) (*Reservation
 // callers. A negative maxWait is bad input (no Redis call made).
 func (l *Limiter) ReserveWithin(ctx context.Context, key string, n int, maxWait time.Duration) (*Reservation, error) {
 	if maxWait < 0 {
-		return nil, fmt.Errorf("reserve: negative max wait %v", maxWait)
+		return nil, fmt.Errorf("%w: negative max wait %v", throttle.ErrInvalidRequest, maxWait)
 	}
 	return l.reserveN(ctx, key, n, min(maxWait, l.maxWait))
 }
@@ -415,8 +418,10 @@ type BatchRequest struct {
 // ReserveBatch books reqs for key in order, in one Redis call, each judged
 // on its own budget exactly as ReserveN would judge it. It returns one
 // Reservation per request (a refused one is not OK), or an error for bad
-// input (nothing sent), a Redis failure (nothing booked) or ctx ending
-// before the reply is in (what was booked given back before it returns,
+// input (nothing sent), a Redis failure (nothing booked, except where the
+// error matches throttle.ErrReplyLost: the call may have run, and its
+// bookings then stand until they lapse) or ctx ending before the reply
+// is in (what was booked given back before it returns,
 // all of it in one refund: see throttle.Engine.BookAll). A request
 // whose Context has ended by the time the call is sent books nothing: its
 // Reservation is not OK and its Err is the context's error (no call is

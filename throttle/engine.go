@@ -233,8 +233,16 @@ func (g *gates) of(node string) chan struct{} {
 type Option func(*Engine) error
 
 // WithPrefix sets the prefix put before every key (default "slotbook:").
+// A prefix may not hold a brace ('{' or '}'): Redis Cluster hashes a key
+// by the part between its first '{' and the first '}' after it, so a
+// brace in the prefix would change the slot of every key, parting the
+// keys of one subject (its limits, its refunds' tombstones) that must
+// share one.
 func WithPrefix(prefix string) Option {
 	return func(e *Engine) error {
+		if strings.ContainsAny(prefix, "{}") {
+			return fmt.Errorf("throttle: prefix %q: want no '{' or '}' (they would change the keys' hash slot)", prefix)
+		}
 		e.prefix = prefix
 		return nil
 	}
@@ -501,8 +509,9 @@ func (e *Engine) Observer() Observer { return e.observer }
 // keeps one breaker per Redis node (per master of a Cluster): Unavailable
 // reports whether any is open, and the soonest probe; UnavailableFor
 // reports on the node of one key. With a Cluster, while a breaker is
-// open a call reads the cluster's slot map at most once per the longest
-// probe interval (see WithProbeBackoff), and the breaker of any node that
+// open a call has the cluster's slot map read, on a goroutine of its own
+// that no call waits for, at most once per the longest probe interval
+// (see WithProbeBackoff), and the breaker of any node that
 // masters no slot any more (a master replaced in a failover) is closed;
 // the breaker of the pseudo-node "cluster" is closed once the map can be
 // read. Neither keeps Unavailable true after the cluster serves every
@@ -548,9 +557,8 @@ func (e *Engine) nodeFor(ctx context.Context, key string, now time.Time) (r *nod
 	if e.cluster == nil {
 		return e.fixed, false, nil
 	}
-	swept := e.sweep(ctx, now)
-	r, cached, probeErr = e.lookup(ctx, key, now, true)
-	return r, cached && !swept, probeErr
+	e.sweep(ctx, now)
+	return e.lookup(ctx, key, now, true)
 }
 
 // lookup is nodeFor for a Cluster, without the sweep. While the breaker
@@ -607,20 +615,28 @@ func (e *Engine) lookup(ctx context.Context, key string, now time.Time, mayProbe
 // that fails), and retires every open breaker whose node masters no slot.
 // So after a failover the dead master's breaker closes, and the client
 // routes to the promoted replica without waiting for its own periodic
-// reload. It runs on the path of a call, at most once per the longest
-// probe interval (see WithProbeBackoff), and only while some breaker is
-// open and that of "cluster" is not (the map could be read). It reports
-// whether it tried to read the map: the call's start time is then out of
-// date (a node that does not answer costs the call up to the timeout).
-func (e *Engine) sweep(ctx context.Context, now time.Time) bool {
+// reload. A call starts it, at most once per the longest probe interval
+// (see WithProbeBackoff), and only while some breaker is open and that of
+// "cluster" is not (the map could be read); it runs on a goroutine of its
+// own, which ends within the engine's timeout, so that no call waits for
+// it. (On the path of a call, it held that call for the whole timeout
+// whenever go-redis asked a node that did not answer for the map: while
+// one master hung, callers of subjects on masters that answered failed
+// their deadlines.)
+func (e *Engine) sweep(ctx context.Context, now time.Time) {
 	mono := monoNow(now)
 	due := e.sweepAt.Load()
 	if mono < due || !e.sweepAt.CompareAndSwap(due, mono+int64(e.breakers.max)) {
-		return false
+		return
 	}
 	if open, _ := e.breakers.state(); !open || e.unread.b.open.Load() {
-		return false
+		return
 	}
+	go e.sweepNow(context.WithoutCancel(ctx))
+}
+
+// sweepNow is sweep's reading of the slot map.
+func (e *Engine) sweepNow(ctx context.Context) {
 	ctx, cancel := e.callContext(ctx)
 	defer cancel()
 	var mu sync.Mutex // guards masters
@@ -632,19 +648,15 @@ func (e *Engine) sweep(ctx context.Context, now time.Time) bool {
 		return nil
 	})
 	if err != nil || len(masters) == 0 {
-		return true
+		return
 	}
 	retired := e.breakers.retire(func(node string) bool { return !masters[node] })
-	if len(retired) == 0 {
-		return true
-	}
 	// Calls for slots cached on a retired node look them up again.
 	for i := range e.slots {
 		if en := e.slots[i].Load(); en != nil && slices.Contains(retired, en.ref.name) {
 			e.slots[i].CompareAndSwap(en, nil)
 		}
 	}
-	return true
 }
 
 // forgetSlot drops the cached node of the prefixed key's slot, if any.
