@@ -99,7 +99,9 @@ import (
 var ErrInvalidOption = errors.New("asynqadapter: invalid option")
 
 // RateLimitedError is what the middleware returns for a task it sends back
-// to asynq without running it: a refusal. Nothing was booked for it.
+// to asynq without running it: a refusal. Nothing was booked for it, but
+// with booked retries (WithBookedRetries), where Slot is set: the slot of
+// its next attempt.
 type RateLimitedError struct {
 	// Key is the limiter key the task was judged under.
 	Key string

@@ -43,9 +43,11 @@
 // a node (0 or 1 with one engine per Redis), so one engine's outage never
 // shows on another's node. Per limiter, the fallback's share is
 // rate(slotbook_decisions_total{outcome=~"fallback_.*"}). Two Collectors in
-// one registry must differ in WithNamespace or WithConstLabels (for
-// instance {"engine": "payments"}): the registry refuses two collectors of
-// the same metrics.
+// one registry must differ in WithNamespace, or have WithConstLabels with
+// the same label names and different values (for instance
+// {"engine": "orders"} and {"engine": "payments"}): the registry refuses
+// two collectors of the same metrics, and metrics of one name with
+// different label names.
 package metrics
 
 import (

@@ -75,10 +75,12 @@ func (j *Job) Started() time.Time {
 	return j.started
 }
 
-// Reservation waits for the job to finish and returns the reservation it
-// held (nil if it was never booked), as a view (see
-// reserve.Reservation.View): its Booking gives the slot on the Redis
-// clock, and its Cancel does nothing, for the booking of a job that did
+// Reservation waits for the job to finish and returns, as a view (see
+// reserve.Reservation.View), the reservation it held: for a job refused
+// (by its deadline, or by the fallback), its refusal, not OK, which booked
+// nothing unless it came late (below); nil if no answer came for the job
+// (it ended while queued, or its booking call failed). A view's Booking
+// gives the slot on the Redis clock, and its Cancel does nothing, for the booking of a job that did
 // not run is the pool's to give back, after any later booking of its key
 // (see Cancellation in the package doc). A job may hold another booking of
 // its key than the one its batch made for it: an earlier one handed down

@@ -63,7 +63,7 @@ func FailClosed() Fallback { return Fallback{kind: failClosed, configured: true}
 // Redis is up: each process records a heartbeat every interval (one Redis
 // call per interval, never per request) in a sorted set that forgets a
 // process after three intervals. Until the first heartbeat, assumed
-// instances is used (at least 1). A share's burst is at
+// instances is used (it must be at least 1). A share's burst is at
 // least one request: with more processes than the limit's burst+1, they
 // may together admit one request each at once, more than the burst. At
 // most maxKeys local limiters are kept; past that, one is dropped for each
