@@ -26,6 +26,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -406,10 +407,22 @@ func measureLatency(ctx context.Context, rdb *redis.Client, probes []probe, n, r
 	return rows, nil
 }
 
+// percentiles returns the nearest-rank p50 and p99 of d: the
+// nearestRank(n, q)-th smallest of its n values, as latencyHist's
+// quantile counts them.
 func percentiles(d []time.Duration) (p50, p99 time.Duration) {
 	s := slices.Clone(d)
 	slices.Sort(s)
-	return s[len(s)/2], s[len(s)*99/100]
+	return s[nearestRank(int64(len(s)), 0.50)-1], s[nearestRank(int64(len(s)), 0.99)-1]
+}
+
+// nearestRank is the rank (from 1) of the q-quantile of n sorted values
+// by the nearest-rank definition: ceil(q*n), at least 1. The p99 of 100
+// values is the 99th, not the largest.
+func nearestRank(n int64, q float64) int64 {
+	// The product is rounded first, so that q*n a hair above a whole
+	// number in floating point (0.29*100) does not take the rank above.
+	return max(1, int64(math.Ceil(math.Round(q*float64(n)*1e9)/1e9)))
 }
 
 func measureContention(ctx context.Context, ropts *redis.Options, run string, d time.Duration) ([]contention.Result, error) {

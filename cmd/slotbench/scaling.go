@@ -811,7 +811,8 @@ func (h *latencyHist) merge(o latencyHist) {
 	}
 }
 
-// quantile returns the upper edge of the bucket holding quantile q.
+// quantile returns the upper edge of the bucket holding quantile q, by
+// the nearest rank (nearestRank), as percentiles takes it.
 func (h latencyHist) quantile(q float64) time.Duration {
 	var total int64
 	for _, n := range h {
@@ -820,11 +821,11 @@ func (h latencyHist) quantile(q float64) time.Duration {
 	if total == 0 {
 		return 0
 	}
-	rank := int64(math.Ceil(q * float64(total)))
+	rank := nearestRank(total, q)
 	var seen int64
 	for i, n := range h {
 		seen += n
-		if seen >= max(rank, 1) {
+		if seen >= rank {
 			return time.Duration(math.Pow(histGrowth, float64(i)) * float64(time.Microsecond))
 		}
 	}
