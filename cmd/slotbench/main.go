@@ -325,12 +325,19 @@ func measureMemory(ctx context.Context, rdb *redis.Client, s strategy, run strin
 
 // LatencyRow is one kind of call's cost, next to PING in the same run.
 type LatencyRow struct {
-	Name        string        `json:"name"`
-	P50         time.Duration `json:"p50_ns"`
-	P99         time.Duration `json:"p99_ns"`
-	PingP50     time.Duration `json:"ping_p50_ns"`
-	PingP99     time.Duration `json:"ping_p99_ns"`
-	UsecPerCall float64       `json:"server_usec_per_call"` // Redis CPU, from INFO commandstats (median over rounds)
+	Name    string        `json:"name"`
+	P50     time.Duration `json:"p50_ns"`
+	P99     time.Duration `json:"p99_ns"`
+	PingP50 time.Duration `json:"ping_p50_ns"`
+	PingP99 time.Duration `json:"ping_p99_ns"`
+	// UsecPerCall is the server's time per timed call, from INFO
+	// commandstats (the median over rounds): the time of every script the
+	// call sent (the lease row's call is two, Acquire's and Release's), in
+	// the same unit as P50.
+	UsecPerCall float64 `json:"server_usec_per_call"`
+	// ScriptsPerCall is the probe's command (EVALSHA) counted by the server
+	// per timed call, over all rounds.
+	ScriptsPerCall float64 `json:"scripts_per_call"`
 }
 
 // latencyRounds is how many rounds measureLatency splits n calls of each
@@ -350,13 +357,16 @@ type probe struct {
 // rounds: every round runs n/rounds calls of each probe in turn. The
 // server's CPU per call comes from the INFO commandstats deltas of each
 // probe's own phases: the median over the rounds of each round's
-// microseconds per call. (A mean over all calls is at the mercy of the
+// microseconds of the probe's command over its timed calls, so that a call
+// sending two scripts (a lease: Acquire, then Release) is charged both, as
+// its p50 is. (A mean over all calls is at the mercy of the
 // one round in which the machine took the server's core away: commandstats
 // times each command by the clock, not by CPU.)
 func measureLatency(ctx context.Context, rdb *redis.Client, probes []probe, n, rounds int) ([]LatencyRow, error) {
 	type acc struct {
 		took, ping []time.Duration
-		perCall    []float64 // server µs per call, one per round
+		perCall    []float64 // server µs per timed call, one per round
+		scripts    int64     // the probe's command, as the server counted it
 	}
 	accs := make([]acc, len(probes))
 	for _, p := range probes { // warm up: connections, script cache
@@ -390,7 +400,8 @@ func measureLatency(ctx context.Context, rdb *redis.Client, probes []probe, n, r
 				return nil, err
 			}
 			if calls1 > calls0 {
-				accs[k].perCall = append(accs[k].perCall, float64(usec1-usec0)/float64(calls1-calls0))
+				accs[k].perCall = append(accs[k].perCall, float64(usec1-usec0)/float64(per))
+				accs[k].scripts += calls1 - calls0
 			}
 		}
 	}
@@ -402,6 +413,7 @@ func measureLatency(ctx context.Context, rdb *redis.Client, probes []probe, n, r
 		if pc := accs[k].perCall; len(pc) > 0 {
 			slices.Sort(pc)
 			rows[k].UsecPerCall = pc[len(pc)/2]
+			rows[k].ScriptsPerCall = float64(accs[k].scripts) / float64(len(pc)*per)
 		}
 	}
 	return rows, nil

@@ -145,7 +145,7 @@ func (r *Report) markdown() string {
 		p("| %s | %.1f | %.1f |\n", m.Name, m.InfoPerKey, m.UsagePerKey)
 	}
 
-	p("\n## Cost per check\n\nEach call timed after a PING timed in the same loop, the kinds of call interleaved in rounds of 100 calls (10 rounds at least); p50 and p99 by nearest rank (of n times, the ceil(n/2)-th and ceil(0.99n)-th smallest, as in the scaling tables); server CPU from INFO commandstats, the median over the rounds of each round's µs per call. ")
+	p("\n## Cost per check\n\nEach call timed after a PING timed in the same loop, the kinds of call interleaved in rounds of 100 calls (10 rounds at least); p50 and p99 by nearest rank (of n times, the ceil(n/2)-th and ceil(0.99n)-th smallest, as in the scaling tables); server µs per call from INFO commandstats: the median over the rounds of each round's µs of the scripts the calls sent, over its timed calls, so per timed call as p50 is (the lease row's call sends two scripts, Acquire's and Release's, and is charged both). ")
 	p("The reference rows bound what a GCRA script can cost here: an empty script is what any EVALSHA costs, a script doing only TIME, GET and SET PX (no arithmetic) is what every GCRA in this table must do, and the same script taking slotbook's four arguments and answering as book1.lua does (the Redis time as TIME gave it) is what slotbook's wire protocol adds before any arithmetic")
 	res, ref, proto := r.latency("slotbook reserve"), r.latency("reference: a script doing only TIME"), r.latency("reference: the same with slotbook's")
 	if ref.UsecPerCall > 0 && ref.UsecPerCall < proto.UsecPerCall && proto.UsecPerCall <= res.UsecPerCall {
@@ -153,7 +153,7 @@ func (r *Report) markdown() string {
 			proto.UsecPerCall/ref.UsecPerCall, 100*(proto.UsecPerCall-ref.UsecPerCall)/(res.UsecPerCall-ref.UsecPerCall))
 	}
 	p(".\n\n")
-	p("| call | p50 | p99 | PING p50 | PING p99 | p50 / PING p50 | server µs/call |\n|---|---:|---:|---:|---:|---:|---:|\n")
+	p("| call | p50 | p99 | PING p50 | PING p99 | p50 / PING p50 | server µs per timed call |\n|---|---:|---:|---:|---:|---:|---:|\n")
 	for _, l := range r.Latency {
 		p("| %s | %s | %s | %s | %s | %.2f | %.2f |\n", l.Name, us(l.P50), us(l.P99), us(l.PingP50), us(l.PingP99),
 			float64(l.P50)/float64(max(l.PingP50, 1)), l.UsecPerCall)
