@@ -274,12 +274,15 @@ func sleep(ctx context.Context, d time.Duration) error {
 }
 
 // Throughput has goroutines reserve total slots on key between them, as
-// fast as they can, and returns reservations per second and Redis calls per
-// reservation. With a limit that is never reached it measures the cost of
-// a reservation, coalesced or not.
+// fast as they can (the first total%goroutines of them one more than the
+// rest, so that exactly total are reserved), and returns reservations per
+// second and Redis calls per reservation. With a limit that is never
+// reached it measures the cost of a reservation, coalesced or not.
 func Throughput(ctx context.Context, lim *reserve.Limiter, key string, goroutines, total int, calls func() int64) (perSec, callsPer float64, err error) {
-	each := total / goroutines
-	n := float64(each * goroutines)
+	if goroutines <= 0 || total <= 0 {
+		return 0, 0, errors.New("contention: goroutines and total must be positive")
+	}
+	n := float64(total)
 	before := calls()
 	start := time.Now()
 	var (
@@ -287,6 +290,10 @@ func Throughput(ctx context.Context, lim *reserve.Limiter, key string, goroutine
 		once sync.Once
 	)
 	for g := 0; g < goroutines; g++ {
+		each := total / goroutines
+		if g < total%goroutines {
+			each++
+		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
