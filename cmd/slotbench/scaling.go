@@ -1,7 +1,8 @@
 package main
 
 // How cost grows with keys, clients and processes (-scaling): granted
-// requests per second, Redis calls and server CPU per granted request, and
+// requests per second (a request is granted when it is let through at
+// once: see load.op), Redis calls and server CPU per granted request, and
 // booking latency, for slotbook's reservation (coalesced and not), its pool
 // and go-redis/redis_rate's Allow doing the same work, each point on a
 // fresh redis-server; the same on a 3-master Redis Cluster, per node; and
@@ -120,6 +121,7 @@ func (s *scaleOptions) check(o options) error {
 // ScalingReport is the -scaling section of a run.
 type ScalingReport struct {
 	Seconds float64      `json:"seconds_per_point"`
+	Limit   string       `json:"limit"`   // the limit every point runs under (openLimit), never to be reached
 	Rounds  int          `json:"rounds"`  // each point's time is split into rounds, the strategies taking turns
 	Points  []ScalePoint `json:"points"`  // a fresh redis-server for each keys, procs and goroutines
 	Cluster []ScalePoint `json:"cluster"` // a 3-master Redis Cluster
@@ -133,11 +135,17 @@ type ScalingReport struct {
 // ScalePoint is one strategy at one number of keys, processes and
 // goroutines.
 type ScalePoint struct {
-	Strategy   string  `json:"strategy"`
-	Keys       int     `json:"keys"`
-	Procs      int     `json:"procs"`
-	Goroutines int     `json:"goroutines"`
+	Strategy   string `json:"strategy"`
+	Keys       int    `json:"keys"`
+	Procs      int    `json:"procs"`
+	Goroutines int    `json:"goroutines"`
+	// Granted is the requests let through at once (see load.op); NotAtOnce
+	// those that were not: a reservation booked for a later slot, a pool
+	// job that waited for one, a redis_rate request refused. Any of the
+	// latter means the point reached the limit, which the scaling runs
+	// assume it never does.
 	Granted    int64   `json:"granted"`
+	NotAtOnce  int64   `json:"not_at_once"`
 	Errors     int64   `json:"errors"`
 	FirstError string  `json:"first_error,omitempty"`
 	Seconds    float64 `json:"seconds"`
@@ -178,7 +186,7 @@ type NodeStat struct {
 
 func measureScaling(ctx context.Context, o options, say func(string, ...any)) (*ScalingReport, error) {
 	s := o.scale
-	rep := &ScalingReport{Seconds: s.dur.Seconds(), Rounds: s.rounds}
+	rep := &ScalingReport{Seconds: s.dur.Seconds(), Limit: openLimit.String(), Rounds: s.rounds}
 	run := "sb" + strconv.FormatInt(time.Now().UnixNano()%1e9, 36)
 	for _, keys := range s.keys {
 		for _, procs := range s.procs {
@@ -307,6 +315,7 @@ type accum struct {
 	spec     loadSpec
 	procs    int
 	granted  int64
+	later    int64 // not let through at once
 	errors   int64
 	first    string
 	calls    int64
@@ -325,6 +334,7 @@ func (a *accum) add(results []loadResult, srv []serverStats) {
 	for _, r := range results {
 		granted += r.Granted
 		a.granted += r.Granted
+		a.later += r.NotAtOnce
 		a.errors += r.Errors
 		a.calls += r.Calls
 		a.client += r.ClientCPU
@@ -359,7 +369,7 @@ func (a *accum) add(results []loadResult, srv []serverStats) {
 
 func (a *accum) point() ScalePoint {
 	p := ScalePoint{Strategy: a.spec.Strategy, Keys: a.spec.Keys, Procs: a.procs, Goroutines: a.spec.Goroutines * a.procs,
-		Granted: a.granted, Errors: a.errors, FirstError: a.first, Calls: a.calls, Seconds: a.seconds, RoundPerSec: a.rates}
+		Granted: a.granted, NotAtOnce: a.later, Errors: a.errors, FirstError: a.first, Calls: a.calls, Seconds: a.seconds, RoundPerSec: a.rates}
 	var srv serverStats
 	for _, s := range a.srv {
 		srv = srv.add(s)
@@ -585,7 +595,8 @@ type loadSpec struct {
 
 // loadResult is what one process measured.
 type loadResult struct {
-	Granted    int64            `json:"granted"`
+	Granted    int64            `json:"granted"`     // let through at once
+	NotAtOnce  int64            `json:"not_at_once"` // not let through at once (see load.op)
 	Errors     int64            `json:"errors"`
 	FirstError string           `json:"first_error,omitempty"`
 	Calls      int64            `json:"calls"`
@@ -602,12 +613,23 @@ type load struct {
 	calls  *callcount.Counter
 	names  []string
 	nodeOf []string // cluster: the master holding each key's state
+	// op makes one request on key. granted is true when the request was
+	// let through at once, what redis_rate's Allow grants: a reservation
+	// whose slot was now when Redis booked it (Booking().Wait 0), a pool
+	// job whose booking was such. A reservation booked for a later slot
+	// (the limiter has no max wait, so it books however far ahead), a pool
+	// job that waited for its slot and a request redis_rate refused are
+	// not granted, and not errors: run counts them apart (NotAtOnce). A
+	// reservation booked ahead is left booked: cancelling it would cost a
+	// call that redis_rate's refusal does not.
 	op     func(ctx context.Context, key string) (granted bool, took time.Duration, err error)
 	closes []func()
 }
 
 // openLimit is never reached: every request is granted at once, so the
-// points measure the cost of a decision, not the limit.
+// points measure the cost of a decision, not the limit. A point that
+// reaches it all the same (a faster machine) counts the requests it did
+// not let through at once (ScalePoint.NotAtOnce), and the report says so.
 var openLimit = throttle.PerSecond(1_000_000, 1_000_000)
 
 func prepareLoad(ctx context.Context, spec loadSpec) (_ *load, err error) {
@@ -654,7 +676,7 @@ func prepareLoad(ctx context.Context, spec loadSpec) (_ *load, err error) {
 				t := time.Now()
 				r, err := lim.Reserve(ctx, key)
 				took := time.Since(t)
-				return err == nil && r.OK(), took, err
+				return err == nil && r.OK() && r.Booking().Wait == 0, took, err
 			}
 			break
 		}
@@ -673,7 +695,8 @@ func prepareLoad(ctx context.Context, spec loadSpec) (_ *load, err error) {
 			if err := j.Wait(ctx); err != nil {
 				return false, 0, err
 			}
-			return true, j.Started().Sub(t), nil
+			r := j.Reservation()
+			return r != nil && r.Booking().Wait == 0, j.Started().Sub(t), nil
 		}
 	case stratRedisRate:
 		rr := redis_rate.NewLimiter(rdb)
@@ -718,10 +741,11 @@ func (l *load) close() {
 // turn (from a point of its own), until the duration is over.
 func (l *load) run(ctx context.Context) loadResult {
 	type tally struct {
-		granted, errors int64
-		first           error
-		hist            latencyHist
-		perNode         map[string]int64
+		granted, later int64
+		errors         int64
+		first          error
+		hist           latencyHist
+		perNode        map[string]int64
 	}
 	tallies := make([]tally, l.spec.Goroutines)
 	calls0 := l.calls.Load()
@@ -754,6 +778,8 @@ func (l *load) run(ctx context.Context) loadResult {
 					if t.perNode != nil {
 						t.perNode[l.nodeOf[k]]++
 					}
+				default:
+					t.later++
 				}
 			}
 		}()
@@ -768,6 +794,7 @@ func (l *load) run(ctx context.Context) loadResult {
 	}
 	for _, t := range tallies {
 		r.Granted += t.granted
+		r.NotAtOnce += t.later
 		r.Errors += t.errors
 		if t.first != nil && r.FirstError == "" {
 			r.FirstError = t.first.Error()

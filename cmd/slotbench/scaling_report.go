@@ -134,13 +134,20 @@ func (s *ScalingReport) markdown(b *strings.Builder) {
 	outDir := s.linkBase
 	p := func(format string, a ...any) { fmt.Fprintf(b, format, a...) }
 	p("\n## Scaling\n\n")
-	p("Each point: %.1f s of requests under a limit never reached (every request granted at once), in %d rounds in which the four strategies take turns (in a different order each round), ", s.Seconds, s.Rounds)
+	limit := ""
+	if s.Limit != "" {
+		limit = " (" + s.Limit + ")"
+	}
+	p("Each point: %.1f s of requests under a limit never reached%s, in %d rounds in which the four strategies take turns (in a different order each round), ", s.Seconds, limit, s.Rounds)
 	p("on a redis-server started afresh for each number of keys, processes and goroutines, ")
 	p("from the given goroutines in all processes together (each process re-executes slotbench and runs its share); every goroutine takes the next key in turn. ")
+	p("A request is granted when it is let through at once, as redis_rate's Allow grants it: a reservation whose slot was now when Redis booked it, a pool job booked so. ")
+	p("One that is not (a reservation booked for a later slot, a pool job that waited for one, a request redis_rate refused) is not counted as granted, in granted/s or in any figure per granted request, but apart, and means the point reached the limit. ")
 	p("Server CPU is the used_cpu_sys + used_cpu_user delta of the server(s) over the point, per granted request; command µs is the time INFO commandstats gives the scripts the clients sent (EVALSHA and EVAL, each with the commands it runs, which commandstats also lists on their own lines and which are not added again), per granted request: the server's time in commands, no I/O (timed by the clock, so on a busy machine it can exceed the CPU). ")
 	p("Client CPU is the client processes' own user + system time (getrusage) over their rounds, per granted request: with one process it includes slotbench's idle goroutines. ")
 	p("Latency is from the call to the answer (for the pool, from Submit to the job's start). The clients and the server share this machine's cores, so a client that spends less CPU leaves more to the server. ")
 	p("In the side-by-side table, the range after a ratio of granted/s is its lowest and highest over the rounds (every round runs each strategy once, one after another, so each round is a paired comparison): where the range spans 1, the point does not tell the two strategies apart on this machine.\n\n")
+	s.limitReached(b)
 	for _, f := range s.Plots {
 		rel, err := filepath.Rel(outDir, f)
 		if err != nil {
@@ -212,6 +219,35 @@ func (s *ScalingReport) markdown(b *strings.Builder) {
 			p("| %d | %s | %.1f | %.3f | %.1f |\n", m.Keys, m.Name, m.UsagePerKey, floor, m.InfoPerKey)
 		}
 	}
+}
+
+// limitReached says, loudly, which points reached the limit the scaling
+// runs assume is never reached, or that none did.
+func (s *ScalingReport) limitReached(b *strings.Builder) {
+	var rows []string
+	points := 0
+	for _, set := range []struct {
+		where  string
+		points []ScalePoint
+	}{{"single server", s.Points}, {"cluster", s.Cluster}} {
+		for _, q := range set.points {
+			points++
+			if q.NotAtOnce > 0 {
+				rows = append(rows, fmt.Sprintf("| %s | %d | %d | %d | %s | %d | %d |\n", set.where, q.Keys, q.Procs, q.Goroutines, q.Strategy, q.Granted, q.NotAtOnce))
+			}
+		}
+	}
+	if len(rows) == 0 {
+		fmt.Fprintf(b, "Every request of every point was let through at once: no point reached the limit.\n\n")
+		return
+	}
+	fmt.Fprintf(b, "**The limit was reached: in %d of the %d points, requests were not let through at once.** ", len(rows), points)
+	fmt.Fprintf(b, "Those points do not measure what the others do, the cost of a decision under a limit never reached: their reservations booked later slots (or their pool jobs waited for them) while redis_rate refused, and their granted/s and figures per granted request count only what was let through at once. Rerun with a higher limit (openLimit) before reading them.\n\n")
+	fmt.Fprintf(b, "| where | keys | procs | goroutines | strategy | granted (at once) | not at once |\n|---|---:|---:|---:|---|---:|---:|\n")
+	for _, r := range rows {
+		b.WriteString(r)
+	}
+	b.WriteString("\n")
 }
 
 func errCell(q ScalePoint) string {

@@ -4,16 +4,19 @@ import (
 	"bytes"
 	"context"
 	"flag"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/internal/redistest"
+	"github.com/slotbook/slotbook/throttle"
 )
 
 // TestScalingSmall runs the scaling section at a tiny size: every
@@ -174,4 +177,54 @@ func TestPlural(t *testing.T) {
 	require.Equal(t, "10,000 keys", plural(10_000, "key"))
 	require.Equal(t, "1,000,000 keys", plural(1_000_000, "key"))
 	require.Equal(t, "4 processes", processes(4))
+}
+
+// TestScalingNotAtOnce: under a limit the load reaches, every request is
+// either granted at once, counted apart (not at once) or an error, for
+// every strategy; and the report says loudly which points reached it.
+func TestScalingNotAtOnce(t *testing.T) {
+	if testing.Short() {
+		t.Skip("needs a redis-server: skipped with -short")
+	}
+	srv := redistest.Start(t)
+	srv.RequireReal(t)
+	saved := openLimit
+	openLimit = throttle.PerSecond(100, 10)
+	t.Cleanup(func() { openLimit = saved })
+	ctx := context.Background()
+	var points []ScalePoint
+	for i, strat := range scaleStrategies {
+		l, err := prepareLoad(ctx, loadSpec{Addrs: []string{srv.Addr}, Strategy: strat, Keys: 1, Goroutines: 4,
+			Prefix: fmt.Sprintf("nao%d:", i), Duration: 200 * time.Millisecond})
+		require.NoError(t, err, strat)
+		var attempts atomic.Int64
+		op := l.op
+		l.op = func(ctx context.Context, key string) (bool, time.Duration, error) {
+			attempts.Add(1)
+			return op(ctx, key)
+		}
+		r := l.run(ctx)
+		l.close()
+		require.Zero(t, r.Errors, "%s: %s", strat, r.FirstError)
+		require.Positive(t, r.NotAtOnce, strat)
+		require.Equal(t, attempts.Load(), r.Granted+r.NotAtOnce, strat)
+		a := &accum{spec: loadSpec{Strategy: strat, Keys: 1, Goroutines: 4}, procs: 1}
+		a.add([]loadResult{r}, []serverStats{{}})
+		p := a.point()
+		require.Equal(t, r.NotAtOnce, p.NotAtOnce, strat)
+		points = append(points, p)
+	}
+	var b strings.Builder
+	(&ScalingReport{Seconds: 0.2, Rounds: 1, Points: points}).markdown(&b)
+	require.Contains(t, b.String(), "**The limit was reached: in 4 of the 4 points, requests were not let through at once.**")
+	for _, p := range points {
+		require.Contains(t, b.String(), fmt.Sprintf("| single server | 1 | 1 | 4 | %s | %d | %d |", p.Strategy, p.Granted, p.NotAtOnce))
+	}
+	b.Reset()
+	for i := range points {
+		points[i].NotAtOnce = 0
+	}
+	(&ScalingReport{Seconds: 0.2, Rounds: 1, Points: points}).markdown(&b)
+	require.Contains(t, b.String(), "Every request of every point was let through at once: no point reached the limit.")
+	require.NotContains(t, b.String(), "The limit was reached")
 }
