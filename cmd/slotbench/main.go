@@ -157,7 +157,7 @@ func bench(ctx context.Context, o options, stderr io.Writer) (*Report, error) {
 	}
 	// The engine's keys get the prefix redis_rate uses, so every strategy
 	// keeps the same key names.
-	eng, err := throttle.New(rdb, throttle.WithPrefix("rate:"), throttle.WithTimeout(5*time.Second))
+	eng, err := newEngine(rdb)
 	if err != nil {
 		return nil, err
 	}
@@ -183,7 +183,7 @@ func bench(ctx context.Context, o options, stderr io.Writer) (*Report, error) {
 			defer srv.Stop()
 			c := redis.NewClient(srv.Options())
 			defer c.Close()
-			e, err := throttle.New(c, throttle.WithPrefix("rate:"), throttle.WithTimeout(5*time.Second))
+			e, err := newEngine(c)
 			if err != nil {
 				return MemoryRow{}, err
 			}
@@ -262,9 +262,11 @@ func bench(ctx context.Context, o options, stderr io.Writer) (*Report, error) {
 
 // MemoryRow is one strategy's memory per key.
 type MemoryRow struct {
-	Name        string  `json:"name"`
-	Keys        int     `json:"keys"`
-	InfoPerKey  float64 `json:"info_bytes_per_key"`  // used_memory delta / keys
+	Name string `json:"name"`
+	Keys int    `json:"keys"`
+	// InfoPerKey is the INFO used_memory delta over the fill, less the
+	// client connections' memory (see measureMemory), per key.
+	InfoPerKey  float64 `json:"info_bytes_per_key"`
 	UsagePerKey float64 `json:"usage_bytes_per_key"` // mean MEMORY USAGE over a sample
 }
 
@@ -286,27 +288,85 @@ func measureMemory(ctx context.Context, rdb *redis.Client, s strategy, run strin
 		return nil
 	}
 	defer del()
-	// Open the connections the fill will use, and load its script, first.
-	if err := parallel(ctx, 16, 16, func(ctx context.Context, i int) error {
-		if err := rdb.Ping(ctx).Err(); err != nil {
-			return err
+	// The fill goes through a client of its own (s.on), whose connections
+	// are opened after the first reading and closed before the second:
+	// their buffers (some 20 KB each while in use) are not the keys'
+	// memory. Both readings also take every client connection's memory out
+	// of used_memory (serverMemory): the one they are made on, and on a
+	// Redis given with -redis other clients'.
+	o := *rdb.Options()
+	side := func() (strategy, *redis.Client, func(), error) {
+		if s.on == nil {
+			return s, rdb, func() {}, nil
 		}
-		if i == 0 {
-			return s.fill(ctx, run+"-warmup")
+		c := redis.NewClient(&o)
+		st, err := s.on(c)
+		if err != nil {
+			_ = c.Close()
+			return strategy{}, nil, nil, err
 		}
-		return nil
-	}); err != nil {
-		return MemoryRow{}, err
+		return st, c, func() { _ = c.Close() }, nil
 	}
-	_ = rdb.Unlink(ctx, s.keyOf(run+"-warmup")).Err()
-	before, err := usedMemory(ctx, rdb)
+	n0, _, err := clientsMemory(ctx, rdb)
 	if err != nil {
 		return MemoryRow{}, err
 	}
-	if err := parallel(ctx, 16, keys, func(ctx context.Context, i int) error { return s.fill(ctx, names[i]) }); err != nil {
+	// Warm up as the fill will go, on keys of its own, so that nothing
+	// that stays is made during the fill but the keys: the strategy's
+	// scripts in the server's cache, and a latency histogram (24 KB in
+	// Redis 7) for each command the server runs for the first time,
+	// connecting (HELLO), inside the scripts, and the readings' INFO and
+	// CLIENT LIST.
+	warm, wc, closeWarm, err := side()
+	if err != nil {
 		return MemoryRow{}, err
 	}
-	after, err := usedMemory(ctx, rdb)
+	warmKeys := make([]string, 64)
+	err = func() error {
+		defer closeWarm()
+		if warm.load != nil {
+			if err := warm.load(ctx); err != nil {
+				return err
+			}
+		}
+		if err := parallel(ctx, 16, len(warmKeys), func(ctx context.Context, i int) error {
+			warmKeys[i] = s.keyOf(fmt.Sprintf("%s-warmup%02d", run, i))
+			return warm.fill(ctx, fmt.Sprintf("%s-warmup%02d", run, i))
+		}); err != nil {
+			return err
+		}
+		if err := wc.Info(ctx, "memory").Err(); err != nil {
+			return err
+		}
+		_, _, err := clientsMemory(ctx, wc)
+		return err
+	}()
+	if err != nil {
+		return MemoryRow{}, err
+	}
+	if err := rdb.Unlink(ctx, warmKeys...).Err(); err != nil {
+		return MemoryRow{}, err
+	}
+	if err := untilClients(ctx, rdb, n0); err != nil {
+		return MemoryRow{}, err
+	}
+	fill, _, closeFill, err := side()
+	if err != nil {
+		return MemoryRow{}, err
+	}
+	defer closeFill()
+	before, err := serverMemory(ctx, rdb)
+	if err != nil {
+		return MemoryRow{}, err
+	}
+	if err := parallel(ctx, 16, keys, func(ctx context.Context, i int) error { return fill.fill(ctx, names[i]) }); err != nil {
+		return MemoryRow{}, err
+	}
+	closeFill()
+	if err := untilClients(ctx, rdb, before.clients); err != nil {
+		return MemoryRow{}, err
+	}
+	after, err := serverMemory(ctx, rdb)
 	if err != nil {
 		return MemoryRow{}, err
 	}
@@ -319,7 +379,7 @@ func measureMemory(ctx context.Context, rdb *redis.Client, s strategy, run strin
 		}
 		usage += u
 	}
-	return MemoryRow{Name: s.name, Keys: keys, InfoPerKey: float64(after-before) / float64(keys),
+	return MemoryRow{Name: s.name, Keys: keys, InfoPerKey: float64(after.keysMem()-before.keysMem()) / float64(keys),
 		UsagePerKey: float64(usage) / float64(sample)}, nil
 }
 
@@ -568,12 +628,73 @@ func cmp(a, b error) error {
 	return b
 }
 
-func usedMemory(ctx context.Context, rdb *redis.Client) (int64, error) {
+// memReading is a server's memory at one moment.
+type memReading struct {
+	used       int64 // INFO used_memory
+	clients    int   // client connections, by CLIENT LIST
+	clientsMem int64 // their memory: the sum of CLIENT LIST's tot-mem
+}
+
+// keysMem is used_memory less the client connections' memory.
+func (m memReading) keysMem() int64 { return m.used - m.clientsMem }
+
+// serverMemory reads used_memory and the client connections' memory.
+// Their memory comes from CLIENT LIST, which works it out as it answers:
+// INFO's mem_clients_normal is a sum the server brings up to date a client
+// at a time in its cron (Redis 7.0: 0 just after 16 connections opened,
+// 564,480 bytes 300 ms later), so taking it out would take out a different
+// moment's figure.
+func serverMemory(ctx context.Context, rdb *redis.Client) (memReading, error) {
 	info, err := rdb.Info(ctx, "memory").Result()
 	if err != nil {
-		return 0, err
+		return memReading{}, err
 	}
-	return strconv.ParseInt(infoField(info, "used_memory"), 10, 64)
+	used, err := strconv.ParseInt(infoField(info, "used_memory"), 10, 64)
+	if err != nil {
+		return memReading{}, fmt.Errorf("INFO memory used_memory: %w", err)
+	}
+	n, mem, err := clientsMemory(ctx, rdb)
+	return memReading{used: used, clients: n, clientsMem: mem}, err
+}
+
+// untilClients waits until the server lists at most n client connections
+// (it frees a closed connection's client once it reads the close), for 2 s
+// at most: on a Redis given with -redis other clients may come, and their
+// memory is taken out of the readings all the same.
+func untilClients(ctx context.Context, rdb *redis.Client, n int) error {
+	for deadline := time.Now().Add(2 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		have, _, err := clientsMemory(ctx, rdb)
+		if err != nil || have <= n || time.Now().After(deadline) {
+			return err
+		}
+	}
+}
+
+// clientsMemory returns the client connections CLIENT LIST lists and the
+// sum of their tot-mem (Redis 6.2 and later).
+func clientsMemory(ctx context.Context, rdb *redis.Client) (n int, mem int64, err error) {
+	list, err := rdb.ClientList(ctx).Result()
+	if err != nil {
+		return 0, 0, err
+	}
+	for _, line := range strings.Split(strings.TrimSpace(list), "\n") {
+		found := false
+		for _, f := range strings.Fields(line) {
+			if v, ok := strings.CutPrefix(f, "tot-mem="); ok {
+				m, err := strconv.ParseInt(v, 10, 64)
+				if err != nil {
+					return 0, 0, fmt.Errorf("CLIENT LIST tot-mem %q: %w", v, err)
+				}
+				mem += m
+				found = true
+			}
+		}
+		if !found {
+			return 0, 0, fmt.Errorf("CLIENT LIST gives no tot-mem (Redis 6.2 or later needed): %q", line)
+		}
+		n++
+	}
+	return n, mem, nil
 }
 
 // commandStats returns the calls and microseconds INFO commandstats

@@ -66,8 +66,9 @@ func (r *Report) judge() {
 		r.Targets = append(r.Targets, Target{Name: name, Value: v, Want: want, Met: met})
 	}
 	// Memory targets are judged on MEMORY USAGE, the exact cost of each
-	// key; the INFO delta adds the server's dictionaries and allocator
-	// slack, which move by some 20 bytes a key from run to run.
+	// key; the INFO delta (client connections left out: measureMemory)
+	// adds the server's dictionaries and allocator slack, which move by a
+	// few bytes a key from run to run.
 	sb, floor := r.memory("slotbook"), r.memory("floor")
 	logm, rr := r.memory("sliding"), r.memory("go-redis")
 	if floor.UsagePerKey > 0 && sb.UsagePerKey > 0 {
@@ -139,7 +140,7 @@ func (r *Report) markdown() string {
 	} else {
 		p(", all on the one Redis given (so each delta may include some of the server's own growth)")
 	}
-	p(". The targets are judged on MEMORY USAGE, the exact cost of each key; the INFO delta adds the server's dictionaries and allocator slack, which move by some 20 bytes a key from run to run.\n\n")
+	p("%s\n\n", memoryNote)
 	p("| strategy | bytes/key (INFO used_memory delta) | bytes/key (MEMORY USAGE) |\n|---|---:|---:|\n")
 	for _, m := range r.Memory {
 		p("| %s | %.1f | %.1f |\n", m.Name, m.InfoPerKey, m.UsagePerKey)
@@ -177,6 +178,9 @@ func (r *Report) markdown() string {
 	}
 	return b.String()
 }
+
+// memoryNote says what the memory columns are.
+const memoryNote = ". The targets are judged on MEMORY USAGE, the exact cost of each key. The INFO delta is used_memory after the fill less before, with every client connection's memory (CLIENT LIST's tot-mem) taken out of both readings and the fill made through connections of its own, closed before the second: beyond MEMORY USAGE it holds the server's dictionaries (a table being resized holds its old one too) and allocator slack, and moves by a few bytes a key from run to run."
 
 func (r *Report) memKeys() int {
 	if len(r.Memory) == 0 {

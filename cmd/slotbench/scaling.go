@@ -232,7 +232,7 @@ func measureScaling(ctx context.Context, o options, say func(string, ...any)) (*
 				defer srv.Stop()
 				c := redis.NewClient(srv.Options())
 				defer c.Close()
-				e, err := throttle.New(c, throttle.WithPrefix("rate:"), throttle.WithTimeout(5*time.Second))
+				e, err := newEngine(c)
 				if err != nil {
 					return MemoryRow{}, err
 				}

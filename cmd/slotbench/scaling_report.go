@@ -207,7 +207,7 @@ func (s *ScalingReport) markdown(b *strings.Builder) {
 	}
 	if len(s.Memory) > 0 {
 		p("\n### Memory per key at scale\n\n")
-		p("Each strategy filled to its limit (%d per minute) on a fresh redis-server; MEMORY USAGE is the exact cost of a key, the INFO delta adds the server's dictionaries.\n\n", perMinute)
+		p("Each strategy filled to its limit (%d per minute) on a fresh redis-server; MEMORY USAGE is the exact cost of a key; the INFO delta, client connections left out as in the memory section above, adds the server's dictionaries and allocator slack.\n\n", perMinute)
 		p("| keys | strategy | bytes/key (MEMORY USAGE) | / floor | bytes/key (INFO used_memory delta) |\n|---:|---|---:|---:|---:|\n")
 		for _, m := range s.Memory {
 			floor := 0.0

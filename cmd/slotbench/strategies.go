@@ -23,6 +23,20 @@ type strategy struct {
 	keyOf func(key string) string
 	// command is the INFO commandstats entry its checks run as.
 	command string
+	// load, if set, loads every script the strategy may send (a slotbook
+	// engine's fill may merge bookings into a script of its own, which one
+	// warm-up call does not load).
+	load func(ctx context.Context) error
+	// on makes the same strategy on another client (a slotbook engine of
+	// its own with newEngine's options): measureMemory fills through
+	// connections it closes before its second reading.
+	on func(c *redis.Client) (strategy, error)
+}
+
+// newEngine is the engine strategies are given: redis_rate's key prefix,
+// so that every strategy keeps the same key names.
+func newEngine(c *redis.Client) (*throttle.Engine, error) {
+	return throttle.New(c, throttle.WithPrefix("rate:"), throttle.WithTimeout(5*time.Second))
 }
 
 const perMinute = 100
@@ -70,6 +84,8 @@ return t[1] .. ' ' .. t[2]
 `)
 )
 
+// strategies are the ways to keep a limit measured side by side, on rdb;
+// eng is an engine on rdb made as newEngine makes one.
 func strategies(rdb *redis.Client, eng *throttle.Engine) []strategy {
 	filled := throttle.PerMinute(perMinute, perMinute-1) // 100 pass at once
 	open := throttle.PerSecond(1_000_000, 1_000_000)     // never reached
@@ -81,13 +97,14 @@ func strategies(rdb *redis.Client, eng *throttle.Engine) []strategy {
 	// Every strategy keeps its state under the same name: redis_rate's.
 	rated := func(k string) string { return "rate:" + k }
 
-	return []strategy{
+	list := []strategy{
 		{
 			name:    "slotbook (GCRA, integer TAT)",
 			fill:    func(ctx context.Context, k string) error { return mustAllow(eng.AllowN(ctx, k, filled, perMinute)) },
 			check:   func(ctx context.Context, k string) error { return mustAllow(eng.AllowN(ctx, k, open, 1)) },
 			keyOf:   rated,
 			command: "evalsha",
+			load:    eng.Load,
 		},
 		{
 			name: "go-redis/redis_rate v10 (GCRA, float TAT)",
@@ -124,6 +141,7 @@ func strategies(rdb *redis.Client, eng *throttle.Engine) []strategy {
 			check:   func(ctx context.Context, k string) error { return mustAllow(eng.AllowWindow(ctx, k, bigWindow, 1)) },
 			keyOf:   rated,
 			command: "evalsha",
+			load:    eng.Load,
 		},
 		{
 			name: "floor: one integer with an expiry",
@@ -133,6 +151,16 @@ func strategies(rdb *redis.Client, eng *throttle.Engine) []strategy {
 			keyOf: rated,
 		},
 	}
+	for i := range list {
+		list[i].on = func(c *redis.Client) (strategy, error) {
+			e, err := newEngine(c)
+			if err != nil {
+				return strategy{}, err
+			}
+			return strategies(c, e)[i], nil
+		}
+	}
+	return list
 }
 
 func mustAllow(r throttle.Result, err error) error {
