@@ -246,6 +246,7 @@ func bench(ctx context.Context, o options, stderr io.Writer) (*Report, error) {
 	if rep.Contention, err = measureContention(ctx, ropts, run, o.contention); err != nil {
 		return nil, err
 	}
+	rep.ContentionSeconds = o.contention.Seconds()
 	say("coalescing: 64 goroutines on one key")
 	if rep.Coalescing, err = measureCoalescing(ctx, ropts, run, map[bool]int{false: 50_000, true: 10_000}[o.quick]); err != nil {
 		return nil, err
@@ -497,8 +498,15 @@ func nearestRank(n int64, q float64) int64 {
 	return max(1, int64(math.Ceil(math.Round(q*float64(n)*1e9)/1e9)))
 }
 
+// The contention runs' setting: 20 clients share a limit of 10/s burst 5,
+// and the reservation modes wait up to 2 s for a slot.
+var (
+	contentionLimit   = throttle.PerSecond(10, 5)
+	contentionMaxWait = 2 * time.Second
+)
+
 func measureContention(ctx context.Context, ropts *redis.Options, run string, d time.Duration) ([]contention.Result, error) {
-	limit := throttle.PerSecond(10, 5)
+	limit := contentionLimit
 	var out []contention.Result
 	for _, mode := range contention.Modes {
 		rdb := redis.NewClient(ropts)
@@ -510,13 +518,13 @@ func measureContention(ctx context.Context, ropts *redis.Options, run string, d 
 		var lim *reserve.Limiter
 		if err == nil {
 			// One client per process, as in the published experiment.
-			lim, err = reserve.New(eng, "contention", limit, reserve.WithMaxWait(2*time.Second), reserve.WithCoalescing(false))
+			lim, err = reserve.New(eng, "contention", limit, reserve.WithMaxWait(contentionMaxWait), reserve.WithCoalescing(false))
 		}
 		if err != nil {
 			rdb.Close()
 			return nil, err
 		}
-		cfg := contention.Config{Clients: 20, Limit: limit, Duration: d, MaxWait: 2 * time.Second, Calls: calls.Load}
+		cfg := contention.Config{Clients: 20, Limit: limit, Duration: d, MaxWait: contentionMaxWait, Calls: calls.Load}
 		res, err := contention.Run(ctx, mode, lim, mode, cfg)
 		rdb.Close()
 		if err != nil {

@@ -40,6 +40,7 @@ func TestSmallRun(t *testing.T) {
 	require.Len(t, rep.Memory, 5)
 	require.Len(t, rep.Latency, 9) // with the lease row (lease.go) and three references
 	require.Len(t, rep.Contention, 3)
+	require.Equal(t, 1.0, rep.ContentionSeconds) // -contention 1s
 	require.True(t, rep.FreshServers)
 	require.NotEmpty(t, rep.Redis)
 	require.Len(t, rep.Targets, 12)
@@ -71,6 +72,8 @@ func TestSmallRun(t *testing.T) {
 	for _, section := range []string{"## Targets", "## Memory per key", "## Cost per check", "## Contention", "## Coalescing"} {
 		require.True(t, strings.Contains(string(md), section), section)
 	}
+	// The contention windows: 1 s to start (retry) or book (reserve, pool).
+	require.Contains(t, string(md), "5 + 10 × 1 = 15 for retry, 5 + 10 × 3 = 35 for reserve and pool")
 	require.Contains(t, string(md), fmt.Sprintf("| uncoalesced, merged | %.0f | %.3f |", c.UncoalescedPerSec, c.UncoalescedCalls))
 	require.Contains(t, string(md), fmt.Sprintf("| uncoalesced, one call each (merging off) | %.0f | 1.000 |", c.AlonePerSec))
 }

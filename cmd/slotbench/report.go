@@ -20,9 +20,12 @@ type Report struct {
 	Memory       []MemoryRow         `json:"memory"`
 	Latency      []LatencyRow        `json:"latency"`
 	Contention   []contention.Result `json:"contention"`
-	Coalescing   CoalescingRow       `json:"coalescing"`
-	Scaling      *ScalingReport      `json:"scaling,omitempty"` // with -scaling
-	Targets      []Target            `json:"targets"`
+	// ContentionSeconds is how long the contention clients start (retry)
+	// or book (reserve, pool) requests: -contention.
+	ContentionSeconds float64        `json:"contention_seconds"`
+	Coalescing        CoalescingRow  `json:"coalescing"`
+	Scaling           *ScalingReport `json:"scaling,omitempty"` // with -scaling
+	Targets           []Target       `json:"targets"`
 }
 
 // Target is one goal, the measured ratio and whether it was met.
@@ -160,7 +163,16 @@ func (r *Report) markdown() string {
 			float64(l.P50)/float64(max(l.PingP50, 1)), l.UsecPerCall)
 	}
 
-	p("\n## Contention\n\n20 clients, 10/s burst 5, starting requests for the run's duration, modes one after another.\n\n")
+	p("\n## Contention\n\n20 clients, %d/s burst %d, modes one after another. ", contentionLimit.Rate, contentionLimit.Burst)
+	p("\"Through\" counts the requests that started, and the modes count them over different windows: retry starts a request only within the run's time, while reserve and pool book within it and start each request at its slot, up to the max wait (%g s) later", contentionMaxWait.Seconds())
+	if d := r.ContentionSeconds; d > 0 {
+		l := contentionLimit
+		perSec := float64(l.Rate) / l.Period.Seconds()
+		w := d + contentionMaxWait.Seconds()
+		p(". With %g s to start or book in, at the limit's rate that is its burst plus %g a second of the window: %d + %g × %g = %.0f for retry, %d + %g × %g = %.0f for reserve and pool",
+			d, perSec, l.Burst, perSec, d, float64(l.Burst)+perSec*d, l.Burst, perSec, w, float64(l.Burst)+perSec*w)
+	}
+	p(". A difference in through between retry and the others is the window, not throughput: compare calls per request and spacing.\n\n")
 	p("| mode | through | Redis calls | denials | calls/request | mean spacing | min spacing |\n|---|---:|---:|---:|---:|---:|---:|\n")
 	for _, c := range r.Contention {
 		p("| %s | %d | %d | %d | %.2f | %s | %s |\n", c.Mode, c.Through, c.Calls, c.Denials, c.CallsPerRequest, ms(c.MeanSpacing), ms(c.MinSpacing))
