@@ -1,5 +1,7 @@
 // Command slotbench measures slotbook against the alternatives, side by
-// side, against one real Redis in one run: memory per key, cost per check
+// side in one run, on real redis-servers it starts (each strategy's memory
+// on a server of its own, the rest on one) or on one Redis given with
+// -redis: memory per key, cost per check
 // (next to PING and to the floor any Lua GCRA pays), behaviour under
 // contention, and coalescing throughput. With -scaling it also measures
 // how cost grows with keys, clients and processes (fresh redis-servers, a
@@ -27,6 +29,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"net/url"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -64,6 +67,7 @@ type options struct {
 	samples    int
 	contention time.Duration
 	scale      scaleOptions
+	flags      []string // the flags given, as the report records them (setFlags)
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -101,6 +105,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "slotbench:", err)
 		return 2
 	}
+	o.flags = setFlags(fs)
 	rep, err := bench(ctx, o, stderr)
 	if err != nil {
 		fmt.Fprintln(stderr, "slotbench:", err)
@@ -152,7 +157,7 @@ func bench(ctx context.Context, o options, stderr io.Writer) (*Report, error) {
 		return nil, err
 	}
 	rep := &Report{
-		Date: time.Now().UTC().Format("2006-01-02 15:04 MST"), Quick: o.quick,
+		Date: time.Now().UTC().Format("2006-01-02 15:04 MST"), Quick: o.quick, Flags: o.flags,
 		Machine: machine(), Go: runtime.Version(), Redis: infoField(info, "redis_version"),
 	}
 	// The engine's keys get the prefix redis_rate uses, so every strategy
@@ -723,6 +728,38 @@ func commandStats(ctx context.Context, rdb *redis.Client, command string) (calls
 		}
 	}
 	return calls, usec, nil
+}
+
+// setFlags returns the flags given on fs's command line, as a shell would
+// take them back, in name order: a password in -redis's URL is redacted.
+func setFlags(fs *flag.FlagSet) []string {
+	var out []string
+	fs.Visit(func(f *flag.Flag) {
+		v := f.Value.String()
+		if f.Name == "redis" {
+			if u, err := url.Parse(v); err == nil {
+				v = u.Redacted()
+			}
+		}
+		if b, ok := f.Value.(interface{ IsBoolFlag() bool }); ok && b.IsBoolFlag() {
+			if v == "true" {
+				out = append(out, "-"+f.Name)
+			} else {
+				out = append(out, "-"+f.Name+"="+v) // a bool flag takes no separate value
+			}
+			return
+		}
+		out = append(out, "-"+f.Name, shellWord(v))
+	})
+	return out
+}
+
+// shellWord is s quoted for a POSIX shell where it needs to be.
+func shellWord(s string) string {
+	if s != "" && strings.Trim(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./:,=@+%") == "" {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
 func infoField(info, field string) string {

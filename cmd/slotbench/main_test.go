@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -39,6 +40,7 @@ func TestSmallRun(t *testing.T) {
 	require.NoError(t, json.Unmarshal(stdout.Bytes(), &rep))
 	require.Len(t, rep.Memory, 5)
 	require.Len(t, rep.Latency, 9) // with the lease row (lease.go) and three references
+	require.Equal(t, []string{"-contention", "1s", "-json", "-keys", "200", "-out", out, "-samples", "200"}, rep.Flags)
 	require.Len(t, rep.Contention, 3)
 	require.Equal(t, 1.0, rep.ContentionSeconds) // -contention 1s
 	require.True(t, rep.FreshServers)
@@ -69,6 +71,8 @@ func TestSmallRun(t *testing.T) {
 
 	md, err := os.ReadFile(out)
 	require.NoError(t, err)
+	require.Contains(t, string(md), "`go run ./cmd/slotbench -contention 1s -json -keys 200 -out "+out+" -samples 200` (full run)")
+	require.Contains(t, string(md), "Every figure comes from this one run, memory per key with each strategy on a redis-server started for it, cost per check, contention and coalescing on one redis-server started for the run; ")
 	for _, section := range []string{"## Targets", "## Memory per key", "## Cost per check", "## Contention", "## Coalescing"} {
 		require.True(t, strings.Contains(string(md), section), section)
 	}
@@ -76,6 +80,24 @@ func TestSmallRun(t *testing.T) {
 	require.Contains(t, string(md), "5 + 10 × 1 = 15 for retry, 5 + 10 × 3 = 35 for reserve and pool")
 	require.Contains(t, string(md), fmt.Sprintf("| uncoalesced, merged | %.0f | %.3f |", c.UncoalescedPerSec, c.UncoalescedCalls))
 	require.Contains(t, string(md), fmt.Sprintf("| uncoalesced, one call each (merging off) | %.0f | 1.000 |", c.AlonePerSec))
+}
+
+// TestSetFlags: the report records the flags given, in name order, as a
+// shell takes them back, with -redis's password redacted.
+func TestSetFlags(t *testing.T) {
+	var o options
+	fs := flag.NewFlagSet("t", flag.ContinueOnError)
+	fs.StringVar(&o.redisURL, "redis", "", "")
+	fs.StringVar(&o.out, "out", "", "")
+	fs.BoolVar(&o.quick, "quick", false, "")
+	fs.BoolVar(&o.json, "json", false, "")
+	o.scale.register(fs)
+	require.NoError(t, fs.Parse([]string{"-redis", "redis://me:s3cret@db:6379/2", "-quick", "-json=false", "-out", "it's here.md",
+		"-scaling", "-scaling-goroutines", "1,4"}))
+	got := setFlags(fs)
+	require.Equal(t, []string{"-json=false", "-out", `'it'\''s here.md'`, "-quick", "-redis", "redis://me:xxxxx@db:6379/2",
+		"-scaling", "-scaling-goroutines", "1,4"}, got)
+	require.NotContains(t, strings.Join(got, " "), "s3cret")
 }
 
 func TestBadFlags(t *testing.T) {

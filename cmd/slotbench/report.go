@@ -15,6 +15,9 @@ type Report struct {
 	Go      string `json:"go"`
 	Redis   string `json:"redis_version"`
 	Quick   bool   `json:"quick"`
+	// Flags are the flags the run was given (a password in -redis's URL
+	// redacted), in name order.
+	Flags []string `json:"flags"`
 	// FreshServers: each memory figure comes from a redis-server of its own.
 	FreshServers bool                `json:"fresh_servers"`
 	Memory       []MemoryRow         `json:"memory"`
@@ -125,8 +128,8 @@ func (r *Report) markdown() string {
 		size = "quick run"
 	}
 	p("# slotbook benchmarks\n\n")
-	p("`go run ./cmd/slotbench` (%s), %s. Machine: %s; %s; Redis %s.\n", size, r.Date, r.Machine, r.Go, r.Redis)
-	p("Every figure comes from this one run against one Redis; compare the ratios, not the absolute times.\n\n")
+	p("`%s` (%s), %s. Machine: %s; %s; Redis %s.\n", strings.Join(append([]string{"go run ./cmd/slotbench"}, r.Flags...), " "), size, r.Date, r.Machine, r.Go, r.Redis)
+	p("Every figure comes from this one run, %s; compare the ratios, not the absolute times.\n\n", r.servers())
 
 	p("## Targets\n\n| target | measured | want | |\n|---|---:|---|---|\n")
 	for _, t := range r.Targets {
@@ -193,6 +196,26 @@ func (r *Report) markdown() string {
 
 // memoryNote says what the memory columns are.
 const memoryNote = ". The targets are judged on MEMORY USAGE, the exact cost of each key. The INFO delta is used_memory after the fill less before, with every client connection's memory (CLIENT LIST's tot-mem) taken out of both readings and the fill made through connections of its own, closed before the second: beyond MEMORY USAGE it holds the server's dictionaries (a table being resized holds its old one too) and allocator slack, and moves by a few bytes a key from run to run."
+
+// servers says which Redis servers the run's figures come from.
+func (r *Report) servers() string {
+	var s string
+	if r.FreshServers {
+		s = "memory per key with each strategy on a redis-server started for it, cost per check, contention and coalescing on one redis-server started for the run"
+	} else {
+		s = "memory per key, cost per check, contention and coalescing on the one Redis given (-redis)"
+	}
+	if r.Scaling != nil {
+		s += ", the scaling points on a redis-server started afresh for each number of keys, processes and goroutines"
+		if len(r.Scaling.Cluster) > 0 {
+			s += " and on a 3-master Redis Cluster started for the run"
+		}
+		if len(r.Scaling.Memory) > 0 {
+			s += ", memory at scale with each row on a redis-server started for it"
+		}
+	}
+	return s
+}
 
 func (r *Report) memKeys() int {
 	if len(r.Memory) == 0 {
