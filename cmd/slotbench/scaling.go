@@ -179,7 +179,7 @@ type ScalePoint struct {
 // NodeStat is one Redis Cluster master's share of a cluster point.
 type NodeStat struct {
 	Addr          string  `json:"addr"`
-	Keys          int64   `json:"keys"`    // DBSIZE after the point
+	Keys          int64   `json:"keys"`    // the point's keys whose state the cluster's slot map puts on this master (MasterForKey), not DBSIZE
 	Granted       int64   `json:"granted"` // granted requests whose key it holds
 	CPUPerGranted float64 `json:"server_cpu_usec_per_granted"`
 }
