@@ -365,6 +365,9 @@ func TestReviewLeasePartitionedHolderNeverLost(t *testing.T) {
 	ctx := context.Background()
 	ttl := 300 * time.Millisecond
 	p, eng := rvProxied(t, e, 100*time.Millisecond, nil)
+	// A connection and the scripts first: on a busy machine the dial and
+	// handshake of a first call can take more than the 100 ms timeout.
+	redistest.UntilOK(t, func() error { return eng.Load(ctx) })
 	s := rvSem(t, eng, 1, lease.WithTTL(ttl))
 	a, err := s.Acquire(ctx, "k")
 	require.NoError(t, err)
