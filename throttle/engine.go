@@ -119,9 +119,10 @@ type Engine struct {
 	// For a Cluster: unread is the pseudo-node calls are counted against
 	// while the client cannot read the slot map (see nodeFor); sweepAt is
 	// when the next sweep of stale breakers may run, in monoNow
-	// nanoseconds (see sweep).
-	unread  *nodeRef
-	sweepAt atomic.Int64
+	// nanoseconds (see sweep); sweeping is set while one runs.
+	unread   *nodeRef
+	sweepAt  atomic.Int64
+	sweeping atomic.Bool
 
 	// merge gathers single bookings that find every connection busy into
 	// one call (nil where it is not used: see merger).
@@ -618,11 +619,13 @@ func (e *Engine) lookup(ctx context.Context, key string, now time.Time, mayProbe
 // reload. A call starts it, at most once per the longest probe interval
 // (see WithProbeBackoff), and only while some breaker is open and that of
 // "cluster" is not (the map could be read); it runs on a goroutine of its
-// own, which ends within the engine's timeout, so that no call waits for
-// it. (On the path of a call, it held that call for the whole timeout
-// whenever go-redis asked a node that did not answer for the map: while
-// one master hung, callers of subjects on masters that answered failed
-// their deadlines.)
+// own, one at a time, so that no call waits for it (on the path of a
+// call, it held that call for the whole timeout whenever go-redis asked a
+// node that did not answer for the map: while one master hung, callers of
+// subjects on masters that answered failed their deadlines). It ends
+// within the engine's timeout, or, with none, within the longest probe
+// interval or a second, whichever is longer (it is no caller's call, and
+// a hung master would hold it for good).
 func (e *Engine) sweep(ctx context.Context, now time.Time) {
 	mono := monoNow(now)
 	due := e.sweepAt.Load()
@@ -632,12 +635,22 @@ func (e *Engine) sweep(ctx context.Context, now time.Time) {
 	if open, _ := e.breakers.state(); !open || e.unread.b.open.Load() {
 		return
 	}
-	go e.sweepNow(context.WithoutCancel(ctx))
+	if !e.sweeping.CompareAndSwap(false, true) {
+		return // the last one still runs
+	}
+	go func() {
+		defer e.sweeping.Store(false)
+		e.sweepNow(context.WithoutCancel(ctx))
+	}()
 }
 
 // sweepNow is sweep's reading of the slot map.
 func (e *Engine) sweepNow(ctx context.Context) {
-	ctx, cancel := e.callContext(ctx)
+	d := e.timeout
+	if d <= 0 {
+		d = max(e.breakers.max, time.Second)
+	}
+	ctx, cancel := context.WithTimeout(ctx, d)
 	defer cancel()
 	var mu sync.Mutex // guards masters
 	masters := map[string]bool{}
