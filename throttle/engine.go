@@ -628,15 +628,21 @@ func (e *Engine) lookup(ctx context.Context, key string, now time.Time, mayProbe
 // a hung master would hold it for good).
 func (e *Engine) sweep(ctx context.Context, now time.Time) {
 	mono := monoNow(now)
-	due := e.sweepAt.Load()
-	if mono < due || !e.sweepAt.CompareAndSwap(due, mono+int64(e.breakers.max)) {
+	if mono < e.sweepAt.Load() {
 		return
 	}
 	if open, _ := e.breakers.state(); !open || e.unread.b.open.Load() {
 		return
 	}
+	// One at a time; a call that finds one under way leaves the next due
+	// for a call after it.
 	if !e.sweeping.CompareAndSwap(false, true) {
-		return // the last one still runs
+		return
+	}
+	due := e.sweepAt.Load()
+	if mono < due || !e.sweepAt.CompareAndSwap(due, mono+int64(e.breakers.max)) {
+		e.sweeping.Store(false)
+		return
 	}
 	go func() {
 		defer e.sweeping.Store(false)
