@@ -442,18 +442,10 @@ func (p *Pool) giveBack(js []*Job) {
 		// The job's context has ended: keep its values, not its end. A
 		// give-back that fails does not stop the ones under it: its reply
 		// may be lost with its refund run (a slow Redis), and theirs then
-		// give their room back. But once the pool is closed, a give-back
-		// that used up its second stops the rest, which are left to lapse:
-		// Redis is not answering, and each would wait its second too, so
-		// Close would take a second per booking (7 s for 7 while Redis was
-		// paused, helper-109's TestReviewAWPoolClosePaused).
+		// give their room back.
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(j.ctx), time.Second)
-		err := j.res.Cancel(ctx)
-		spent := err != nil && ctx.Err() != nil
+		_ = j.res.Cancel(ctx)
 		cancel()
-		if spent && p.isClosed() {
-			break
-		}
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -755,11 +747,4 @@ func outcome(j *Job, r *reserve.Reservation, closed bool) error {
 		return ErrClosed
 	}
 	return r.Err()
-}
-
-// isClosed reports whether Close has been called.
-func (p *Pool) isClosed() bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.closed
 }
