@@ -417,11 +417,10 @@ func (p *Pool) acquireWorker(ctx context.Context) error {
 // ErrClosed), and Close waits for running jobs, and for booking calls in
 // flight, the pool's and its Acquire callers' (bounded by the engine's
 // timeout), whose bookings it gives back too, in order, each within a
-// second: while Redis does not answer, a second per booking (the pool
-// goes on past one that gets no answer, whose refund may yet have run,
-// so that the bookings under it give their room back; stopping at the
-// first, tried, lost room to healthy nodes of a Cluster and to a slow
-// Redis). Bound Close with ctx. If ctx ends first,
+// second: while Redis does not answer, that is a second per booking (it
+// goes on past a give-back that got no answer, whose refund may yet have
+// run, so that the bookings under it give their room back), so bound
+// Close with ctx. If ctx ends first,
 // the running jobs' contexts are not cancelled (they are the caller's), but
 // Close stops waiting and returns ctx's error. Close is idempotent.
 func (p *Pool) Close(ctx context.Context) error {

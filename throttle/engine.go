@@ -670,6 +670,9 @@ func (e *Engine) sweepNow(ctx context.Context) {
 		return
 	}
 	retired := e.breakers.retire(func(node string) bool { return !masters[node] })
+	if len(retired) == 0 {
+		return
+	}
 	// Calls for slots cached on a retired node look them up again.
 	for i := range e.slots {
 		if en := e.slots[i].Load(); en != nil && slices.Contains(retired, en.ref.name) {
