@@ -827,11 +827,32 @@ func TestReviewAWPoolClosePaused(t *testing.T) {
 		// Wait for the batch to be booked: the key's TAT moves on.
 		key := lim.Name() + ":{k}"
 		var booked int64 // the TAT once the jobs are booked
-		require.Eventually(t, func() bool {
+		if !assert.Eventually(t, func() bool {
 			tat, now := e.tat(t, key)
 			booked = tat
 			return tat >= now+int64(workers-3)*limit.Interval().Microseconds()
-		}, 5*time.Second, 5*time.Millisecond)
+		}, 5*time.Second, 5*time.Millisecond) {
+			// Seen in busy runs, in the second round: the jobs were booked
+			// one or a few at a time as they came, and all ran, one
+			// interval apart, within the 5 s: no booking stood far ahead
+			// to give back at Close. No scene then; anything else fails.
+			ran := 0
+			for i, j := range jobs {
+				select {
+				case <-j.Done():
+					t.Logf("workers %d: job %d done: %v", workers, i, j.Err())
+					if j.Err() == nil {
+						ran++
+					}
+				default:
+					t.Logf("workers %d: job %d not done", workers, i)
+				}
+			}
+			if ran == len(jobs) {
+				t.Skipf("workers %d: the jobs ran before the pool held bookings ahead: no scene", workers)
+			}
+			t.FailNow()
+		}
 		time.Sleep(50 * time.Millisecond)
 		booked, _ = e.tat(t, key)
 		// An Acquire caller sleeping until its slot.
