@@ -19,6 +19,7 @@ import (
 	"math"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -644,7 +645,7 @@ func prepareLoad(ctx context.Context, spec loadSpec) (_ *load, err error) {
 	}()
 	var rdb redis.UniversalClient
 	if spec.Cluster {
-		rdb = redis.NewClusterClient(&redis.ClusterOptions{Addrs: spec.Addrs, ContextTimeoutEnabled: true})
+		rdb = redis.NewClusterClient(&redis.ClusterOptions{Addrs: slices.Clone(spec.Addrs), ContextTimeoutEnabled: true})
 	} else {
 		rdb = redis.NewClient(&redis.Options{Addr: spec.Addrs[0], ContextTimeoutEnabled: true})
 	}

@@ -15,6 +15,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -300,6 +301,10 @@ func (quiet) Printf(context.Context, string, ...any) {}
 
 // Cluster is a Redis Cluster of real redis-server processes on loopback.
 type Cluster struct {
+	// Addrs are the masters' addresses, with no room to spare: go-redis
+	// appends each node it learns of (a replica, say) to the Addrs slice
+	// of its ClusterOptions, so clients made from one slice with room
+	// would all write into its array (a data race).
 	Addrs []string
 	nodes []*Server
 }
@@ -328,6 +333,7 @@ func StartCluster(tb testing.TB, n int, extra ...string) *Cluster {
 		c.nodes = append(c.nodes, s)
 		c.Addrs = append(c.Addrs, s.Addr)
 	}
+	c.Addrs = slices.Clip(c.Addrs)
 	args := append([]string{"--cluster", "create"}, c.Addrs...)
 	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
 	if out, err := exec.Command(cli, args...).CombinedOutput(); err != nil {
@@ -359,7 +365,7 @@ func (c *Cluster) Node(i int) *Server { return c.nodes[i] }
 // Client returns a cluster client, closed when the test ends.
 func (c *Cluster) Client(tb testing.TB) *redis.ClusterClient {
 	tb.Helper()
-	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs, ContextTimeoutEnabled: true})
+	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: slices.Clone(c.Addrs), ContextTimeoutEnabled: true})
 	tb.Cleanup(func() { _ = cc.Close() })
 	return cc
 }
