@@ -87,6 +87,7 @@ func (g *rv2Gaps) max() time.Duration { g.mu.Lock(); defer g.mu.Unlock(); return
 
 type rv2Stats struct {
 	holds, queued, lost, spurious, gone, errLost, lostReleaseOK int
+	lateGrants                                                  int // Acquire's ErrLost: granted, the grant back after the TTL (load only)
 	margins                                                     []time.Duration
 	ages                                                        []time.Duration // Acquire return to Lost
 	freed                                                       []time.Duration // Redis clock: Lost to slot freed, vs margin
@@ -97,8 +98,10 @@ type rv2Stats struct {
 // rv2QueuePhase runs A (aEng: 3 workers) against B (another "process", 2
 // workers) on one key with N=2 and a healthy Redis. Every lease of A is
 // watched: when its Lost closes, Redis is asked at once whether it still
-// holds it.
-func rv2QueuePhase(t *testing.T, e *env, key string, aEng, bEng *throttle.Engine, bel *rvBelieved, ttl, run time.Duration) rv2Stats {
+// holds it. Under load (starved), a grant may come back after its TTL
+// has run out, which Acquire reports as ErrLost: counted in lateGrants,
+// not failed.
+func rv2QueuePhase(t *testing.T, e *env, key string, aEng, bEng *throttle.Engine, bel *rvBelieved, ttl, run time.Duration, load bool) rv2Stats {
 	ctx := context.Background()
 	a := rvSem(t, aEng, 2, lease.WithTTL(ttl))
 	b := rvSem(t, bEng, 2, lease.WithTTL(ttl))
@@ -116,6 +119,12 @@ func rv2QueuePhase(t *testing.T, e *env, key string, aEng, bEng *throttle.Engine
 			t0 := time.Now()
 			l, err := s.Acquire(actx, key)
 			cancel()
+			if err != nil && load && errors.Is(err, lease.ErrLost) {
+				mu.Lock()
+				st.lateGrants++
+				mu.Unlock()
+				continue
+			}
 			if err != nil {
 				t.Errorf("Acquire: %v", err)
 				return
@@ -254,11 +263,12 @@ func TestReviewLease2SpuriousLostQueueGrants(t *testing.T) {
 				stop := rv2Burn(2 * runtime.NumCPU())
 				defer stop()
 			}
-			st := rv2QueuePhase(t, e, "k", aEng, bEng, bel, ttl, run)
+			st := rv2QueuePhase(t, e, "k", aEng, bEng, bel, ttl, run, ph.load)
 			results[ph.name] = st
 			slices.Sort(st.margins)
 			t.Logf("%s: %d holds (%d waited >30ms), %d Lost of A's leases; Redis still held %d of them at Lost (margin at Lost / slot freed after the ErrLost Release, Redis clock: %v), %d gone; Release after Lost: %d ErrLost, %d nil; %d freed only after the expiry seen at Lost; Acquire-to-Lost %v",
 				ph.name, st.holds, st.queued, st.lost, st.spurious, st.pairs, st.gone, st.errLost, st.lostReleaseOK, st.late, st.ages)
+			t.Logf("%s: %d grants came back after their TTL had run out (Acquire's ErrLost)", ph.name, st.lateGrants)
 			t.Logf("%s: A's keeper: longest gap between two keep calls %v; %d calls with one id (leave or release) sent by A", ph.name, gaps.max().Round(time.Millisecond), gaps.ones.Load())
 			if v := bel.viols.Load(); v > 0 {
 				t.Errorf("%d leave/release calls for a lease still believed held; first: %v", v, bel.first.Load())
