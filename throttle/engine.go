@@ -446,6 +446,7 @@ func New(rdb redis.Scripter, opts ...Option) (*Engine, error) {
 			e.merge = &merger{e: e, wait: cmp.Or(e.mergeWait, defaultMergeWait)}
 			if k := cmp.Or(e.mergeAt, defaultMergeAt); k < cap(e.fixed.gate) {
 				e.merge.flight = make(chan struct{}, k)
+				e.merge.landFn = e.merge.land
 			}
 		}
 	}

@@ -45,6 +45,9 @@ type merger struct {
 	// flight (WithMergeAt), nil where only a full pool merges; a batch
 	// that waited wait (WithMergeWait) for one goes without.
 	flight chan struct{}
+	// landFn is land as a func value, made once: a method value made on
+	// each call that flies (book, board) would cost an allocation each.
+	landFn func()
 	wait   time.Duration
 	mu     sync.Mutex  // guards open, and each batch's items and taken
 	open   *mergeBatch // the batch taking requests, if any
@@ -90,7 +93,7 @@ func (m *merger) book(ctx context.Context, key string, limit Limit, req Request)
 		}
 		select {
 		case m.flight <- struct{}{}:
-			return Booking{}, false, m.land, nil // room in flight: alone
+			return Booking{}, false, m.landFn, nil // room in flight: alone
 		default: // enough bookings in flight: wait for one, with others
 		}
 	}
@@ -266,7 +269,7 @@ func (m *merger) due() time.Time {
 func (m *merger) board(ctx context.Context, due time.Time) (land func(), err error) {
 	select {
 	case m.flight <- struct{}{}:
-		return m.land, nil
+		return m.landFn, nil
 	default:
 	}
 	var out <-chan time.Time
@@ -281,7 +284,7 @@ func (m *merger) board(ctx context.Context, due time.Time) (land func(), err err
 	}
 	select {
 	case m.flight <- struct{}{}:
-		return m.land, nil
+		return m.landFn, nil
 	case <-out:
 		return noCancel, nil
 	case <-ctx.Done():
