@@ -330,15 +330,19 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 	var out []Booking
 	if err == nil {
 		var vals []int64
+		var one *single1
 		if script == book1Script {
-			vals, err = book1Vals(reply)
+			// The reply's values, the Booking and its way: one allocation
+			// for all three.
+			one = new(single1)
+			vals, err = one.vals[:], readBook1(reply, one.vals[:])
 		} else {
 			// Room after the reply's values for every booking's ends: one
 			// allocation for both.
 			vals, err = int64sCap(reply, 1+m+runs, m*len(reqs))
 		}
 		if err == nil {
-			out, err = judge(vals, limits, reqs)
+			out, err = judgeIn(vals, limits, reqs, one)
 		}
 		err = unreadable(err)
 	}
@@ -918,12 +922,21 @@ func (e *Engine) Reset(ctx context.Context, keys ...string) error {
 // under one limit, {now, tat, booked (1 or 0)}, with room for the
 // booking's end.
 func book1Vals(reply any) ([]int64, error) {
+	vals := make([]int64, 4)
+	if err := readBook1(reply, vals); err != nil {
+		return nil, err
+	}
+	return vals, nil
+}
+
+// readBook1 is book1Vals into vals, of length 4.
+func readBook1(reply any, vals []int64) error {
 	str, ok := reply.(string)
 	if !ok {
-		return nil, fmt.Errorf("unexpected reply %T, want a string", reply)
+		return fmt.Errorf("unexpected reply %T, want a string", reply)
 	}
-	bad := func() ([]int64, error) {
-		return nil, fmt.Errorf("unexpected reply %q, want \"s u [-][tat]\"", str)
+	bad := func() error {
+		return fmt.Errorf("unexpected reply %q, want \"s u [-][tat]\"", str)
 	}
 	sec, rest, ok := strings.Cut(str, " ")
 	if !ok {
@@ -952,7 +965,17 @@ func book1Vals(reply any) ([]int64, error) {
 	if refused {
 		booked = 0
 	}
-	return []int64{now, tat, booked, 0}, nil
+	vals[0], vals[1], vals[2], vals[3] = now, tat, booked, 0
+	return nil
+}
+
+// single1 is what a single request under one limit (a book1.lua call)
+// holds on the heap: the reply's values (readBook1), which its Booking's
+// starts and ends share, its Booking and its way, in one allocation.
+type single1 struct {
+	vals [4]int64
+	b    [1]Booking
+	w    [1]atomic.Uint64
 }
 
 // sameRun reports whether reqs[i] is alike the request before it (the
@@ -969,6 +992,12 @@ func sameRun(reqs []Request, i int) bool {
 // within their max wait, and a run's bookings are its first requests: a
 // reply that disagrees was not made by this engine's scripts.
 func judge(vals []int64, limits []Limit, reqs []Request) ([]Booking, error) {
+	return judgeIn(vals, limits, reqs, nil)
+}
+
+// judgeIn is judge, with one, if not nil, holding vals and the room for a
+// single request's Booking and way.
+func judgeIn(vals []int64, limits []Limit, reqs []Request, one *single1) ([]Booking, error) {
 	m := len(limits)
 	now := vals[0]
 	// tats: what the next request is judged against, as the script judged
@@ -986,11 +1015,10 @@ func judge(vals []int64, limits []Limit, reqs []Request) ([]Booking, error) {
 	)
 	if len(reqs) == 1 {
 		// One request, the common case: its Booking and its way in one
-		// allocation.
-		one := new(struct {
-			b [1]Booking
-			w [1]atomic.Uint64
-		})
+		// allocation (one's, where the caller made it).
+		if one == nil {
+			one = new(single1)
+		}
 		out, ways = one.b[:], one.w[:]
 	} else {
 		out = make([]Booking, len(reqs))
