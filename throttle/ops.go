@@ -608,9 +608,12 @@ func (e *Engine) runReply(ctx context.Context, s *script, keys []string, args []
 // runCmd is runReply with the script's arguments after a's head (see
 // cmdArgs).
 func (e *Engine) runCmd(ctx context.Context, s *script, keys []string, a []any) (any, error) {
-	full := make([]string, len(keys))
-	for i, k := range keys {
-		full[i] = e.prefix + k
+	// The prefixed keys: those of a call of one limit (or of a refund of
+	// one, with its tombstone) off the heap.
+	var buf [2]string
+	full := buf[:0]
+	for _, k := range keys {
+		full = append(full, e.prefix+k)
 	}
 	lbl := label(keys[0])
 	t, err := e.take(ctx, full[0], lbl)

@@ -2,6 +2,7 @@ package throttle
 
 import (
 	"context"
+	"slices"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -63,7 +64,10 @@ func (s *script) runCmd(ctx context.Context, rdb redis.Scripter, keys []string, 
 	head := 3 + len(keys)
 	p, ok := rdb.(processor)
 	if !ok {
-		return s.Run(ctx, rdb, keys, a[head:]...).Result()
+		// A copy of keys: they go to an interface's method, so keys would
+		// escape, and every caller's keys with them, where a go-redis
+		// client (a processor) needs no copy.
+		return s.Run(ctx, rdb, slices.Clone(keys), a[head:]...).Result()
 	}
 	a[0], a[1], a[2] = "evalsha", s.hash, len(keys)
 	for i, k := range keys {
