@@ -269,6 +269,16 @@ func (l *Limiter) subjectKey(key string) string { return l.name + ":{" + key + "
 // others end in their period in whole milliseconds, ":86400000ms" for a
 // day (wire protocol 2; protocol 1 used Go's Duration.String, ":24h0m0s").
 func (l *Limiter) keysOf(first string) []string {
+	return l.keysIn(first, nil)
+}
+
+// keysIn is keysOf, in one for a single limit (the common case: a caller's
+// array, kept off the heap where the keys do not outlive the call).
+func (l *Limiter) keysIn(first string, one *[1]string) []string {
+	if len(l.limits) == 1 && one != nil {
+		one[0] = first
+		return one[:]
+	}
 	keys := make([]string, len(l.limits))
 	keys[0] = first
 	for i, lim := range l.limits[1:] {
@@ -303,7 +313,8 @@ func (l *Limiter) AllowN(ctx context.Context, key string, n int) (throttle.Resul
 		return throttle.Result{}, err
 	}
 	l.awaitGiven(ctx, k)
-	res, err := l.eng.AllowAll(ctx, l.keysOf(k), l.limits, n)
+	var one [1]string
+	res, err := l.eng.AllowAll(ctx, l.keysIn(k, &one), l.limits, n)
 	switch {
 	case err == nil:
 		l.heartbeat(ctx)
@@ -546,14 +557,8 @@ func (l *Limiter) book(ctx context.Context, key string, calls []*call) (late []t
 		return nil
 	}
 	l.awaitGiven(ctx, key)
-	var one [1]string // the keys of a single limit, off the heap
-	keys := one[:]
-	if len(l.limits) == 1 {
-		one[0] = key
-	} else {
-		keys = l.keysOf(key)
-	}
-	bs, err := l.eng.BookAll(ctx, keys, l.limits, reqs)
+	var one [1]string
+	bs, err := l.eng.BookAll(ctx, l.keysIn(key, &one), l.limits, reqs)
 	// The waits were measured on the Redis clock at some point before the
 	// reply arrived; counting them from the arrival never starts early.
 	arrived := l.clock.Now()
