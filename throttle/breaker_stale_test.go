@@ -111,15 +111,7 @@ func stopAll(t *testing.T, cluster *redistest.Cluster, n int) (resume func()) {
 func withReplica(t *testing.T) (*redistest.Cluster, *redis.Client) {
 	t.Helper()
 	cluster := redistest.StartCluster(t, 3)
-	rep := redistest.Start(t, "--cluster-enabled", "yes", "--cluster-node-timeout", "2000")
-	ctx := context.Background()
-	rc := rep.Client(t)
-	host, port, _ := strings.Cut(cluster.Addrs[0], ":")
-	require.NoError(t, rc.Do(ctx, "CLUSTER", "MEET", host, port).Err())
-	id0, err := cluster.Node(0).Client(t).Do(ctx, "CLUSTER", "MYID").Text()
-	require.NoError(t, err)
-	require.Eventually(t, func() bool { return rc.Do(ctx, "CLUSTER", "REPLICATE", id0).Err() == nil },
-		30*time.Second, 100*time.Millisecond, "CLUSTER REPLICATE")
+	rc := cluster.AddReplica(t, 0).Client(t)
 	waitReplicaSynced(t, rc)
 	return cluster, rc
 }

@@ -3,7 +3,6 @@ package redistest_test
 import (
 	"context"
 	"slices"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -27,14 +26,7 @@ func TestClusterClientsOwnTheirAddrs(t *testing.T) {
 	before := slices.Clone(cluster.Addrs)
 	ctx := context.Background()
 
-	rep := redistest.Start(t, "--cluster-enabled", "yes", "--cluster-node-timeout", "2000")
-	rc := rep.Client(t)
-	host, port, _ := strings.Cut(cluster.Addrs[0], ":")
-	require.NoError(t, rc.Do(ctx, "CLUSTER", "MEET", host, port).Err())
-	id0, err := cluster.Node(0).Client(t).Do(ctx, "CLUSTER", "MYID").Text()
-	require.NoError(t, err)
-	require.Eventually(t, func() bool { return rc.Do(ctx, "CLUSTER", "REPLICATE", id0).Err() == nil },
-		30*time.Second, 100*time.Millisecond, "CLUSTER REPLICATE")
+	rep := cluster.AddReplica(t, 0)
 	// Wait until every master's slot map lists the replica. go-redis reads
 	// the map with CLUSTER SLOTS, so the test does too.
 	for i := range cluster.Addrs {

@@ -362,6 +362,37 @@ func StartCluster(tb testing.TB, n int, extra ...string) *Cluster {
 // that stops it.
 func (c *Cluster) Node(i int) *Server { return c.nodes[i] }
 
+// AddReplica starts a redis-server with --cluster-enabled yes, joins it
+// to the cluster (CLUSTER MEET) as a replica of master i (CLUSTER
+// REPLICATE, retried until the node has learnt of the master, up to 30
+// s), and returns it, stopped when the test ends. It does not wait for
+// the replica to sync, nor for the other nodes' slot maps to list it.
+func (c *Cluster) AddReplica(tb testing.TB, i int) *Server {
+	tb.Helper()
+	ctx := context.Background()
+	rep := Start(tb, "--cluster-enabled", "yes", "--cluster-node-timeout", "2000")
+	rc := rep.Client(tb)
+	host, port, _ := strings.Cut(c.Addrs[i], ":")
+	if err := rc.Do(ctx, "CLUSTER", "MEET", host, port).Err(); err != nil {
+		tb.Fatalf("redistest: CLUSTER MEET: %v", err)
+	}
+	id, err := c.nodes[i].Client(tb).Do(ctx, "CLUSTER", "MYID").Text()
+	if err != nil {
+		tb.Fatalf("redistest: CLUSTER MYID: %v", err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		err := rc.Do(ctx, "CLUSTER", "REPLICATE", id).Err()
+		if err == nil {
+			return rep
+		}
+		if time.Now().After(deadline) {
+			tb.Fatalf("redistest: CLUSTER REPLICATE: %v", err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
 // Client returns a cluster client, closed when the test ends.
 func (c *Cluster) Client(tb testing.TB) *redis.ClusterClient {
 	tb.Helper()
