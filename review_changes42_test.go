@@ -244,10 +244,15 @@ func TestReviewCHPoolCloseHungNodeStopsHealthyNodes(t *testing.T) {
 		require.Eventually(t, func() bool { return wr[0].Load() && hr[0].Load() }, 10*time.Second, 2*time.Millisecond)
 		wellKey := e.prefix + lim.Name() + ":{" + well + "}"
 		hungKey := e.prefix + lim.Name() + ":{" + hung + "}"
+		// Every job booked: each key's TAT is its first slot (the first
+		// job's, which ran) plus one interval per job, on the Redis clock.
+		// (Against the wall clock plus 12 and 22 s, a busy suite that took
+		// over 3 s to book them failed here.)
+		wellFull := wj[0].Reservation().Booking().At.Add(3 * limit.Interval()).UnixMicro()
+		hungFull := hj[0].Reservation().Booking().At.Add(5 * limit.Interval()).UnixMicro()
 		require.Eventually(t, func() bool {
-			return e.tatOf(t, 1, wellKey) > time.Now().Add(12*time.Second).UnixMicro() &&
-				e.tatOf(t, 0, hungKey) > time.Now().Add(22*time.Second).UnixMicro()
-		}, 10*time.Second, time.Millisecond, "every job booked")
+			return e.tatOf(t, 1, wellKey) >= wellFull && e.tatOf(t, 0, hungKey) >= hungFull
+		}, 30*time.Second, time.Millisecond, "every job booked")
 		if hang {
 			e.clientPause(t, 0, 2500*time.Millisecond)
 		}
