@@ -827,11 +827,17 @@ func TestReviewAWPoolClosePaused(t *testing.T) {
 		// Wait for the batch to be booked: the key's TAT moves on.
 		key := lim.Name() + ":{k}"
 		var booked int64 // the TAT once the jobs are booked
-		if !assert.Eventually(t, func() bool {
+		ahead := false
+		// Polled, not assert.Eventually, which would fail the test before
+		// it could be skipped below.
+		for until := time.Now().Add(5 * time.Second); time.Now().Before(until); time.Sleep(5 * time.Millisecond) {
 			tat, now := e.tat(t, key)
 			booked = tat
-			return tat >= now+int64(workers-3)*limit.Interval().Microseconds()
-		}, 5*time.Second, 5*time.Millisecond) {
+			if ahead = tat >= now+int64(workers-3)*limit.Interval().Microseconds(); ahead {
+				break
+			}
+		}
+		if !ahead {
 			// Seen in busy runs, in the second round: the jobs were booked
 			// one or a few at a time as they came, and all ran, one
 			// interval apart, within the 5 s: no booking stood far ahead
@@ -851,7 +857,7 @@ func TestReviewAWPoolClosePaused(t *testing.T) {
 			if ran == len(jobs) {
 				t.Skipf("workers %d: the jobs ran before the pool held bookings ahead: no scene", workers)
 			}
-			t.FailNow()
+			t.Fatalf("workers %d: the key's TAT never stood %d intervals ahead", workers, workers-3)
 		}
 		time.Sleep(50 * time.Millisecond)
 		booked, _ = e.tat(t, key)
