@@ -213,7 +213,7 @@ func (e *Engine) BookRetry(ctx context.Context, keys []string, limits []Limit, r
 	if status != 0 {
 		vals[1+m] = 1
 	}
-	bs, err := judge(vals, limits, []Request{req})
+	bs, err := judge(vals, limits, []Request{req}, nil)
 	if err != nil {
 		return unread("%w", err)
 	}

@@ -7,7 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// TestBook1ValsReadsEveryForm: book1Vals and judge read each form of
+// TestBook1ValsReadsEveryForm: readBook1 and judge read each form of
 // book1.lua's reply (docs/PROTOCOL.md) into a Booking, the wait worked
 // out by hand here from the definition, and refuse a reply that is not
 // one of them or that disagrees with the request's max wait.
@@ -43,10 +43,11 @@ func TestBook1ValsReadsEveryForm(t *testing.T) {
 		{reply: "1767225600 123456 1767225600123456", r: Request{N: 1}, invalid: true},  // a TAT not ahead is not sent
 		{reply: "-5 123456", r: Request{N: 1}, invalid: true},
 	} {
-		vals, err := book1Vals(c.reply)
+		vals := make([]int64, 4)
+		err := readBook1(c.reply, vals)
 		var bs []Booking
 		if err == nil {
-			bs, err = judge(vals, []Limit{l}, []Request{c.r})
+			bs, err = judge(vals, []Limit{l}, []Request{c.r}, nil)
 		}
 		if c.invalid {
 			require.Error(t, err, "%q", c.reply)
@@ -63,7 +64,7 @@ func TestBook1ValsReadsEveryForm(t *testing.T) {
 			require.Equal(t, []int64{max(c.tat, vals[0]+c.wait) + int64(c.r.N)*100000}, b.ends, "%q end", c.reply)
 		}
 	}
-	_, err := book1Vals([]any{int64(1), int64(2), int64(0)})
+	err := readBook1([]any{int64(1), int64(2), int64(0)}, make([]int64, 4))
 	require.ErrorContains(t, err, "want a string", "the array of protocol 2's first form")
 }
 
@@ -82,7 +83,7 @@ func TestJudgeReadsRuns(t *testing.T) {
 	vals := func(booked ...int64) []int64 {
 		return append(append([]int64{now, now + 400000}, booked...), make([]int64, len(reqs))...)
 	}
-	bs, err := judge(vals(2, 1), []Limit{l}, reqs)
+	bs, err := judge(vals(2, 1), []Limit{l}, reqs, nil)
 	require.NoError(t, err)
 	want := []struct {
 		ok         bool
@@ -108,7 +109,7 @@ func TestJudgeReadsRuns(t *testing.T) {
 		{2, 2}, // more booked than the run holds
 		{4, 1}, // the same, in the first run
 	} {
-		_, err := judge(vals(bad...), []Limit{l}, reqs)
+		_, err := judge(vals(bad...), []Limit{l}, reqs, nil)
 		require.Error(t, err, "%v", bad)
 	}
 }

@@ -324,7 +324,7 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 	}
 
 	// book.lua answers {now, tat_1 .. tat_m, then per run: how many of its
-	// requests were booked}; book1.lua answers a string that book1Vals
+	// requests were booked}; book1.lua answers a string that readBook1
 	// reads into the same values. judge works out the rest.
 	reply, err := e.runCmd(ctx, script, keys, args)
 	var out []Booking
@@ -342,7 +342,7 @@ func (e *Engine) book(ctx context.Context, keys []string, limits []Limit, reqs [
 			vals, err = int64sCap(reply, 1+m+runs, m*len(reqs))
 		}
 		if err == nil {
-			out, err = judgeIn(vals, limits, reqs, one)
+			out, err = judge(vals, limits, reqs, one)
 		}
 		err = unreadable(err)
 	}
@@ -920,19 +920,10 @@ func (e *Engine) Reset(ctx context.Context, keys ...string) error {
 	return nil
 }
 
-// book1Vals reads book1.lua's reply ("s u", "s u tat", "s u -" or
-// "s u -tat"; see the script) into book.lua's values for one request
-// under one limit, {now, tat, booked (1 or 0)}, with room for the
-// booking's end.
-func book1Vals(reply any) ([]int64, error) {
-	vals := make([]int64, 4)
-	if err := readBook1(reply, vals); err != nil {
-		return nil, err
-	}
-	return vals, nil
-}
-
-// readBook1 is book1Vals into vals, of length 4.
+// readBook1 reads book1.lua's reply ("s u", "s u tat", "s u -" or
+// "s u -tat"; see the script) into vals, of length 4: book.lua's values
+// for one request under one limit, {now, tat, booked (1 or 0)}, with room
+// for the booking's end.
 func readBook1(reply any, vals []int64) error {
 	str, ok := reply.(string)
 	if !ok {
@@ -993,14 +984,9 @@ func sameRun(reqs []Request, i int) bool {
 // requests alike (sameRun): how many were booked}, followed by room for
 // m ends per request. The scripts book exactly the requests whose wait is
 // within their max wait, and a run's bookings are its first requests: a
-// reply that disagrees was not made by this engine's scripts.
-func judge(vals []int64, limits []Limit, reqs []Request) ([]Booking, error) {
-	return judgeIn(vals, limits, reqs, nil)
-}
-
-// judgeIn is judge, with one, if not nil, holding vals and the room for a
-// single request's Booking and way.
-func judgeIn(vals []int64, limits []Limit, reqs []Request, one *single1) ([]Booking, error) {
+// reply that disagrees was not made by this engine's scripts. one, if not
+// nil, holds vals and the room for a single request's Booking and way.
+func judge(vals []int64, limits []Limit, reqs []Request, one *single1) ([]Booking, error) {
 	m := len(limits)
 	now := vals[0]
 	// tats: what the next request is judged against, as the script judged
