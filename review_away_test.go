@@ -878,6 +878,7 @@ func TestReviewAWPoolClosePaused(t *testing.T) {
 		}, 5*time.Second, 5*time.Millisecond)
 		time.Sleep(20 * time.Millisecond)
 
+		_, stopAt := e.tat(t, key) // the Redis clock as Redis stops, in µs
 		require.NoError(t, syscall.Kill(e.srv.Pid(), syscall.SIGSTOP))
 		closeAt := time.Now()
 		c, cancel := context.WithTimeout(ctx, 20*time.Second)
@@ -893,11 +894,29 @@ func TestReviewAWPoolClosePaused(t *testing.T) {
 		t.Logf("workers %d: %d bookings not started at Close (the first job ran at once); Close with Redis paused took %v (%v); Acquire caller returned %v after Close began: %v",
 			workers, workers-1, d, cerr, time.Duration(accDone.Load()-closeAt.UnixNano()), aerr)
 		assert.NoError(t, cerr)
-		assert.ErrorIs(t, aerr, pool.ErrClosed, "an Acquire caller sleeping until its slot when the pool closed")
-		assert.Less(t, time.Duration(accDone.Load()-closeAt.UnixNano()), time.Second, "the sleeping Acquire caller got ErrClosed 'at once'")
+		if aerr == nil && accDone.Load() < closeAt.UnixNano() {
+			// Its slot came before Close began (a busy machine, as for
+			// the jobs below): it was no longer sleeping at Close.
+			t.Logf("workers %d: the Acquire caller's slot came before Close: no sleeping caller to judge", workers)
+		} else {
+			assert.ErrorIs(t, aerr, pool.ErrClosed, "an Acquire caller sleeping until its slot when the pool closed")
+			assert.Less(t, time.Duration(accDone.Load()-closeAt.UnixNano()), time.Second, "the sleeping Acquire caller got ErrClosed 'at once'")
+		}
 		for i, j := range jobs {
 			if i == 0 {
 				continue // may have run
+			}
+			if j.Err() == nil && !j.Started().IsZero() {
+				// It ran: setting the scene (the bookings, the Acquire
+				// caller's) can take longer than an interval on a busy
+				// machine (seen once: job 1, its slot 500 ms in, ran). Its
+				// slot must have come by the time Close began, as the
+				// Redis clock tells it (plus 100 ms for the steps between
+				// the reading and Close; the slots lie 500 ms apart).
+				at := j.Reservation().Booking().At.UnixMicro()
+				t.Logf("workers %d: job %d ran before Close: its slot %v before Redis stopped", workers, i, time.Duration(stopAt-at)*time.Microsecond)
+				assert.LessOrEqual(t, at, stopAt+(100*time.Millisecond).Microseconds(), "job %d ran, its slot not come when Close began", i)
+				continue
 			}
 			assert.ErrorIs(t, j.Err(), pool.ErrClosed, "job %d booked ahead at Close", i)
 		}
