@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/slotbook/slotbook/throttle"
 )
 
 // A room is what one Semaphore holds and waits for on one key. It exists,
@@ -262,6 +264,9 @@ func (s *Semaphore) keep(r *room) {
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	last := time.Now()
+	// retry is the wait after a keep call that failed, before the next
+	// (see retryAfter); 0 after one that succeeded.
+	var retry time.Duration
 	wakeList := s.eng.Prefix() + s.wakeList(r.key)
 	for {
 		s.mu.Lock()
@@ -289,19 +294,23 @@ func (s *Semaphore) keep(r *room) {
 			s.sendLeaves(r) // once
 			continue
 		}
-		if fresh && !closed {
-			last = time.Now()
-			s.keepCall(r)
-			continue
-		}
 		interval := s.ttl / 3
 		if waiting || leaving {
 			interval = s.poll
 		}
-		until := time.Until(last.Add(interval))
+		if fresh && !closed {
+			last = time.Now()
+			retry = s.retryAfter(r.key, s.keepCall(r), retry, interval)
+			continue
+		}
+		due := last.Add(interval)
+		if retry > 0 {
+			due = last.Add(min(retry, interval))
+		}
+		until := time.Until(due)
 		if until <= 0 {
 			last = time.Now()
-			s.keepCall(r)
+			retry = s.retryAfter(r.key, s.keepCall(r), retry, interval)
 			continue
 		}
 		if block {
@@ -435,15 +444,38 @@ func (s *Semaphore) block(list, key string, d time.Duration) bool {
 	return true
 }
 
+// retryAfter returns how long r's keeper waits, after a keep call for key
+// that ended with err, before the next: 0 (the interval) if it succeeded;
+// after a failure, prev (the wait after the failure before, or 0) doubled,
+// at least the shortest probe interval and the time until the breaker of
+// key's node lets its next probe through, at most interval. One lost reply
+// opens the engine's breaker, which then lets one call through as its
+// probe and refuses the others at once: the keepers whose polls came due
+// while the probe was out would otherwise find their waiters' grants (and
+// extend their leases) a whole interval late, though the probe closed the
+// breaker a moment after. While Redis stays away, a keeper's refused calls
+// are a few more per outage, then one per interval again.
+func (s *Semaphore) retryAfter(key string, err error, prev, interval time.Duration) time.Duration {
+	if err == nil {
+		return 0
+	}
+	d := max(2*prev, throttle.DefaultProbeMin)
+	if open, in := s.eng.UnavailableFor(context.Background(), s.keys(key)[0]); open {
+		d = max(d, in)
+	}
+	return min(d, interval)
+}
+
 // keepCall extends r's leases and refreshes its waiters in one call,
 // delivering grants and closing Lost for the leases that lapsed; then it
-// sends the leave calls of the gone waiters.
+// sends the leave calls of the gone waiters. It returns the call's error
+// (nil if there was nothing to send).
 //
 // A waiter that leaves while the keep call is on its way (its leave call
 // may reach Redis first) is put back in the queue by it, and may be
 // granted a lease nobody holds: its leave call is sent again after the
 // keep call.
-func (s *Semaphore) keepCall(r *room) {
+func (s *Semaphore) keepCall(r *room) error {
 	defer s.sendLeaves(r)
 	s.mu.Lock()
 	h := len(r.holds)
@@ -459,7 +491,7 @@ func (s *Semaphore) keepCall(r *room) {
 	}
 	s.mu.Unlock()
 	if len(args) == 1 {
-		return
+		return nil
 	}
 	ctx, cancel := s.detach(context.Background())
 	defer cancel()
@@ -491,7 +523,7 @@ func (s *Semaphore) keepCall(r *room) {
 	}
 	s.mu.Unlock()
 	if err != nil {
-		return // tried again at the next interval; the TTL allows two misses
+		return err // tried again soon (see retryAfter); the TTL allows two misses
 	}
 	for _, id := range rep.extra {
 		s.mu.Lock()
@@ -505,4 +537,5 @@ func (s *Semaphore) keepCall(r *room) {
 			s.markLost(l)
 		}
 	}
+	return nil
 }
