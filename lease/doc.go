@@ -48,7 +48,18 @@
 // restarted its connection), the keeper polls every poll interval (at
 // most TTL/3 and 1 s by default) with the same call that refreshes its
 // waiters in the queue; waiters whose process stops refreshing them leave
-// the queue within the TTL, so a dead process cannot block it.
+// the queue within the TTL, so a dead process cannot block it. A keep
+// call that fails (a poll, or an extension) is tried again sooner than
+// the interval, counted from its end and doubling after each further
+// failure, up to the interval: one that reached no Redis (refused by the
+// engine's open breaker, say) from the breaker's next probe, at least
+// throttle.DefaultProbeMin on; one that reached it (its reply lost, or an
+// error Redis answered) a quarter interval on. So a lost reply elsewhere,
+// which opens the breaker and has the keep calls that come due beside
+// its probe refused, costs the waiters a probe interval or two, not a
+// poll; while Redis stays away, each keeper makes a few more calls, which
+// the open breaker refuses without a round trip; and a slow Redis gets
+// few more keep calls than one an interval.
 //
 // A waiter whose context ends leaves the queue in one call; if it was
 // granted a lease meanwhile, that call gives the lease back, so a waiter

@@ -299,8 +299,7 @@ func (s *Semaphore) keep(r *room) {
 			interval = s.poll
 		}
 		if fresh && !closed {
-			last = time.Now()
-			retry = s.retryAfter(r.key, s.keepCall(r), retry, interval)
+			last, retry = s.keepOnce(r, retry, interval)
 			continue
 		}
 		due := last.Add(interval)
@@ -309,8 +308,7 @@ func (s *Semaphore) keep(r *room) {
 		}
 		until := time.Until(due)
 		if until <= 0 {
-			last = time.Now()
-			retry = s.retryAfter(r.key, s.keepCall(r), retry, interval)
+			last, retry = s.keepOnce(r, retry, interval)
 			continue
 		}
 		if block {
@@ -444,22 +442,43 @@ func (s *Semaphore) block(list, key string, d time.Duration) bool {
 	return true
 }
 
-// retryAfter returns how long r's keeper waits, after a keep call for key
-// that ended with err, before the next: 0 (the interval) if it succeeded;
-// after a failure, prev (the wait after the failure before, or 0) doubled,
-// at least the shortest probe interval and the time until the breaker of
-// key's node lets its next probe through, at most interval. One lost reply
-// opens the engine's breaker, which then lets one call through as its
-// probe and refuses the others at once: the keepers whose polls came due
-// while the probe was out would otherwise find their waiters' grants (and
-// extend their leases) a whole interval late, though the probe closed the
-// breaker a moment after. While Redis stays away, a keeper's refused calls
-// are a few more per outage, then one per interval again.
-func (s *Semaphore) retryAfter(key string, err error, prev, interval time.Duration) time.Duration {
+// keepOnce runs r's keep call and returns when the next one is due
+// from, and the wait after it (0: the interval): from the call's start if
+// it succeeded; if it failed, from its end (so that a call that took long,
+// its reply lost to a timeout, is not sent again at once), after
+// retryAfter's wait.
+func (s *Semaphore) keepOnce(r *room, prev, interval time.Duration) (time.Time, time.Duration) {
+	start := time.Now()
+	err := s.keepCall(r)
 	if err == nil {
-		return 0
+		return start, 0
 	}
-	d := max(2*prev, throttle.DefaultProbeMin)
+	return time.Now(), s.retryAfter(r.key, err, prev, interval)
+}
+
+// retryAfter returns how long r's keeper waits, after a keep call for key
+// that failed with err, before the next: prev (the wait after the
+// failure before, or 0) doubled, at least a base, at most interval. One
+// lost reply opens the engine's breaker, which then lets one call through
+// as its probe and refuses the others at once: the keepers whose polls
+// came due while the probe was out would otherwise find their waiters'
+// grants (and extend their leases) a whole interval late, though the
+// probe closed the breaker a moment after. So a call that reached no
+// Redis (refused by the open breaker, a refused dial, no connection free)
+// is tried again from the breaker's next probe, at least
+// throttle.DefaultProbeMin on; while Redis stays away that is a few more
+// calls per outage, which the open breaker refuses without a round trip.
+// A call that reached Redis (its reply lost, or an error Redis answered)
+// says Redis is slow or refuses it: it is tried again a quarter interval
+// on, so that a struggling Redis gets few more calls than one an
+// interval, while a lease whose extension failed is still extended well
+// within its TTL.
+func (s *Semaphore) retryAfter(key string, err error, prev, interval time.Duration) time.Duration {
+	base := throttle.DefaultProbeMin
+	if errors.Is(err, throttle.ErrReplyLost) || !errors.Is(err, throttle.ErrUnavailable) {
+		base = interval / 4
+	}
+	d := max(2*prev, base)
 	if open, in := s.eng.UnavailableFor(context.Background(), s.keys(key)[0]); open {
 		d = max(d, in)
 	}
