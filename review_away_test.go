@@ -1485,6 +1485,13 @@ func TestReviewAWPoolFailOpen(t *testing.T) {
 		}
 		return nil
 	})
+	// The local slots are timed on the monotonic clock: they are read as
+	// offsets from t0 (Sub uses the monotonic readings), not as wall-clock
+	// instants: this VM's wall clock is slewed against the monotonic one
+	// (344 µs over a million time.Now() calls, one run here), so two
+	// slots 50 ms apart on the monotonic clock can be less on the wall
+	// clock (seen once: 1 µs short by UnixMicro).
+	t0 := time.Now()
 	var jobs []*pool.Job
 	for range 12 {
 		j, err := p.Submit(ctx, "k", func(context.Context) error { return nil })
@@ -1505,14 +1512,14 @@ func TestReviewAWPoolFailOpen(t *testing.T) {
 		require.NoError(t, j.Wait(wctx), "job %d on the fallback", i)
 		wcancel()
 		assert.False(t, j.Started().Before(j.Slot()), "job %d started %v before its local slot", i, j.Slot().Sub(j.Started()))
-		events = append(events, gcraEvent{name: "j" + string(rune('a'+i)), at: j.Slot().UnixMicro(), n: 1})
+		events = append(events, gcraEvent{name: "j" + string(rune('a'+i)), at: j.Slot().Sub(t0).Microseconds(), n: 1})
 	}
 	t.Logf("the Acquire caller acted at %v", acquiredAt.Format("15:04:05.000000"))
 	<-late.Done()
 	if late.Started().IsZero() {
 		assert.ErrorIs(t, late.Err(), context.Canceled, "a cancelled job on the fallback")
 	} else {
-		events = append(events, gcraEvent{name: "late", at: late.Slot().UnixMicro(), n: 1})
+		events = append(events, gcraEvent{name: "late", at: late.Slot().Sub(t0).Microseconds(), n: 1})
 	}
 	// The jobs' local slots replayed through a textbook GCRA (burst 0);
 	// the Acquire caller's slot, which it does not report, is left out.
