@@ -1214,7 +1214,7 @@ func TestReviewAWHTTPStopped(t *testing.T) {
 	var resp *http.Response
 	d := timed(func() { resp, _, err = do(trOpen, ctx) })
 	require.NoError(t, err)
-	learnt := time.Now()
+	learnt := up.last() // the 429 reached the upstream: its pause, learnt from the reply, begins after
 	assert.Equal(t, http.StatusTooManyRequests, resp.StatusCode)
 	assert.EqualValues(t, 1, pauseErrs.Load(), "the pause error handler")
 	assert.Less(t, d, 300*time.Millisecond+bound, "a 429 with Redis stopped took %v", d)
@@ -1271,7 +1271,9 @@ func TestReviewAWHTTPPauseLostAndCheck(t *testing.T) {
 	}
 	up.next(http.StatusTooManyRequests)
 	require.NoError(t, get(tr, ctx))
-	learnt := time.Now()
+	// The 429 reached the upstream: its pause, learnt from the reply,
+	// begins after.
+	learnt := up.last()
 	e.srv.Restart(t) // the pause, stored, is lost
 	c, cancel := context.WithTimeout(ctx, 5*time.Second)
 	redistest.UntilOK(t, func() error { return get(tr, c) })
