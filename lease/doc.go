@@ -59,7 +59,12 @@
 // its probe refused, costs the waiters a probe interval or two, not a
 // poll; while Redis stays away, each keeper makes a few more calls, which
 // the open breaker refuses without a round trip; and a slow Redis gets
-// few more keep calls than one an interval.
+// few more keep calls than one an interval. One failure is not tried
+// again for the waiters: WRONGTYPE, one of the key's keys holding another
+// Redis type (written by something else), which only deleting the key
+// mends. The waiters' Acquire calls return it and leave the queue, as a
+// first call that met it would have; leases held under the key are
+// still given up (Lost) when their extensions have failed too long.
 //
 // A waiter whose context ends leaves the queue in one call; if it was
 // granted a lease meanwhile, that call gives the lease back, so a waiter

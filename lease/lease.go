@@ -393,6 +393,11 @@ func (s *Semaphore) lapseLocked(l *Lease) {
 // in Redis, and a release hands the lease to the head of the queue and
 // wakes its process. If ctx ends first, the waiter leaves the queue (and
 // gives back a lease granted meanwhile) and Acquire returns ctx's error.
+// A waiter leaves the same way, returning the error, when a poll of its
+// key fails with WRONGTYPE (one of the key's keys holds another Redis
+// type): that error does not pass by waiting, and a first call that met
+// it would have returned it too. Other failed polls are tried again
+// while the waiter waits (see the package doc).
 //
 // Without contention Acquire is one Redis call; a waiter costs one more,
 // shared with the other waiters of its process for the key (the blocking
@@ -441,6 +446,13 @@ func (s *Semaphore) acquire(ctx context.Context, key, mode string) (*Lease, bool
 	select {
 	case l := <-w.grant:
 		return s.handOut(ctx, l, start)
+	case ferr := <-w.fail:
+		select {
+		case l := <-w.grant: // granted all the same: a lease, not an error
+			return s.handOut(ctx, l, start)
+		default:
+		}
+		err = fmt.Errorf("lease: acquire %q: %w", key, ferr)
 	case <-ctx.Done():
 		err = ctx.Err()
 	case <-s.quit:

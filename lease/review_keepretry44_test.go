@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/internal/redistest"
@@ -449,9 +450,10 @@ var kr44NotSent = &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED
 // WRONGTYPE on every call, the breaker closed). A keeper with a waiter
 // (poll 400 ms) and one holding a lease (TTL 1.5 s: an interval of
 // 500 ms) must settle back to one keep call per interval after a few
-// retries; the waiter's Acquire returns by its context's end (it hears
-// nothing of the error), and the held lease is given up (Lost) at 9/10 of
-// the TTL, not extended.
+// retries; the waiter's Acquire returns the error (WRONGTYPE) from its
+// keeper's next poll, not at its context's end (before the mend it heard
+// nothing of the error and waited out its context), and the held lease is
+// given up (Lost) at 9/10 of the TTL, not extended.
 func TestReviewKeepRetry44PermanentError(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
@@ -469,8 +471,10 @@ func TestReviewKeepRetry44PermanentError(t *testing.T) {
 	actx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	werr := make(chan error, 1)
+	var returned atomic.Int64 // when the waiter's Acquire returned, ns from h.base on the monotonic clock
 	go func() {
 		l, err := a.Acquire(actx, "pw")
+		returned.Store(int64(time.Since(h.base)))
 		if l != nil {
 			_ = l.Release(ctx)
 		}
@@ -492,7 +496,7 @@ func TestReviewKeepRetry44PermanentError(t *testing.T) {
 		t.Errorf("the lease whose keep calls all fail was not given up within 2 TTLs")
 	}
 	err = <-werr
-	waited := time.Since(broke)
+	waited := time.Duration(returned.Load()) - broke.Sub(h.base)
 	time.Sleep(4 * poll)
 	t1 := time.Since(h.base)
 	cs := h.calls(t0, t1)
@@ -525,6 +529,10 @@ func TestReviewKeepRetry44PermanentError(t *testing.T) {
 		len(pw), (t1 - t0).Round(time.Millisecond), late, msgs, len(ph), lostAfter.Round(time.Millisecond))
 	t.Logf("the waiter's Acquire returned after %v: %v", waited.Round(time.Millisecond), err)
 	require.Error(t, err)
+	// The error began at broke; the waiter's keeper polls every 400 ms
+	// and its context ends about 4.6 s after broke. 2.5 s is six polls.
+	assert.True(t, redis.HasErrorPrefix(err, "WRONGTYPE"), "the waiter's Acquire returned %v, not the keep call's error", err)
+	assert.Less(t, waited, 2500*time.Millisecond, "the waiter heard of its keep call's lasting error only after %v", waited)
 	require.LessOrEqual(t, late, 8+2, "the keeper of a waiter whose keep calls fail for good does not settle back to one call per poll")
 	require.Less(t, waited, 5*time.Second+2*time.Second, "Acquire hung past its context")
 	require.LessOrEqual(t, len(ph), int(lostAfter/(ttl/3))+8, "the holder's keeper kept retrying")

@@ -41,6 +41,7 @@ type room struct {
 type waiter struct {
 	id     string
 	grant  chan *Lease // cap 1
+	fail   chan error  // cap 1: a keep call's lasting error (see lasting), which its Acquire returns
 	queued bool        // its acquire call has answered and it waits in the queue
 	// since is when the latest call that found it not yet granted (or its
 	// acquire call, which put it in the queue) was sent: a lease granted
@@ -64,7 +65,8 @@ func (s *Semaphore) enter(key string) (*waiter, error) {
 	r := s.roomLocked(key)
 	s.seq++
 	now := time.Now()
-	w := &waiter{id: s.proc + "." + strconv.FormatUint(s.seq, 36), grant: make(chan *Lease, 1), since: now, entered: now}
+	w := &waiter{id: s.proc + "." + strconv.FormatUint(s.seq, 36), grant: make(chan *Lease, 1), fail: make(chan error, 1),
+		since: now, entered: now}
 	r.waiters[w.id] = w
 	s.obs.ObserveWaiting(s.name, 1)
 	return w, nil
@@ -485,6 +487,17 @@ func (s *Semaphore) retryAfter(key string, err error, prev, interval time.Durati
 	return min(d, interval)
 }
 
+// lasting reports whether a keep call's error will not pass by trying
+// again: one of the key's keys holds another Redis type than the lease's
+// (WRONGTYPE), which only deleting it mends. A waiter in the queue is
+// told of such an error rather than left to wait out its context, as an
+// Acquire that met it in its first call is. Other errors Redis answered
+// may pass (LOADING, BUSY, a failover's READONLY) or are not the key's
+// (NOPERM): the keeper tries them again, and the waiter waits on.
+func lasting(err error) bool {
+	return redis.HasErrorPrefix(err, "WRONGTYPE")
+}
+
 // keepCall extends r's leases and refreshes its waiters in one call,
 // delivering grants and closing Lost for the leases that lapsed; then it
 // sends the leave calls of the gone waiters. It returns the call's error
@@ -522,6 +535,11 @@ func (s *Semaphore) keepCall(r *room) error {
 		case w != nil:
 			if err == nil {
 				w.since = rep.sent // not granted when the call ran
+			} else if lasting(err) {
+				select {
+				case w.fail <- err: // its Acquire gives up and leaves
+				default:
+				}
 			}
 		case r.holds[id] == nil:
 			s.leavingLocked(r, id) // gone while the call was out (also after Close: tried once)
