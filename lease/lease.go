@@ -240,7 +240,7 @@ func (s *Semaphore) CheckKey(key string) error {
 	if len(s.name)+len(key) > maxSubject {
 		return fmt.Errorf("%w: key of %d bytes", ErrInvalid, len(key))
 	}
-	if err := throttle.CheckKey(s.keys(key)[0]); err != nil { // braces that leave no hash tag
+	if err := throttle.CheckKey(s.holdersKey(key)); err != nil { // braces that leave no hash tag
 		return fmt.Errorf("%w: key %q: %w", ErrInvalid, key, err)
 	}
 	return nil
@@ -250,9 +250,17 @@ func (s *Semaphore) CheckKey(key string) error {
 // "name:{key}:lease:h" and so on, hash-tagged by the subject like the
 // rate keys, so that a Redis Cluster holds them on one node.
 func (s *Semaphore) keys(key string) []string {
-	base := s.name + ":{" + key + "}:lease:"
+	base := s.keyBase(key)
 	return []string{base + "h", base + "t", base + "q", base + "w", base + "c", base + "n:", base + "l"}
 }
+
+// keyBase returns what every engine key of key begins with (before the
+// engine's prefix).
+func (s *Semaphore) keyBase(key string) string { return s.name + ":{" + key + "}:lease:" }
+
+// holdersKey returns keys(key)[0] alone, without building the others:
+// the key that names key's node and slot to the engine.
+func (s *Semaphore) holdersKey(key string) string { return s.keyBase(key) + "h" }
 
 // A Lease is one of a Semaphore's N places for a key, held until Release
 // (or until it lapses: see Lost). Its methods are safe for concurrent use.

@@ -420,7 +420,7 @@ func (s *Semaphore) block(list, key string, d time.Duration) bool {
 	d = min(max(d, 10*time.Millisecond), maxBlock) // BLPOP's 0 is forever
 	ctx, cancel := s.readContext(d)
 	defer cancel()
-	release, ok := s.eng.HoldConn(ctx, s.keys(key)[5]+s.proc)
+	release, ok := s.eng.HoldConn(ctx, s.wakeList(key))
 	if !ok {
 		return false
 	}
@@ -481,7 +481,7 @@ func (s *Semaphore) retryAfter(key string, err error, prev, interval time.Durati
 		base = interval / 4
 	}
 	d := max(2*prev, base)
-	if open, in := s.eng.UnavailableFor(context.Background(), s.keys(key)[0]); open {
+	if open, in := s.eng.UnavailableFor(context.Background(), s.holdersKey(key)); open {
 		d = max(d, in)
 	}
 	return min(d, interval)

@@ -68,7 +68,7 @@ func (s *Semaphore) wakerNeedLocked(r *room) (kick bool) {
 }
 
 // wakeList returns the engine key of the process's wake-up list for key.
-func (s *Semaphore) wakeList(key string) string { return s.keys(key)[5] + s.proc }
+func (s *Semaphore) wakeList(key string) string { return s.keyBase(key) + "n:" + s.proc }
 
 // wakeLoop is the waker's goroutine: it reads the wake-up lists of the
 // keys with waiters, one BLPOP at a time, until none has any (or the
