@@ -222,8 +222,12 @@ func TestReviewGNHandedDown(t *testing.T) {
 				x, err := p.Submit(context.WithValue(bg, gnKey{}, &gnAct{gate: gate}), "x"+key, fgNop)
 				require.NoError(t, err)
 				time.Sleep(100 * time.Millisecond)
-				p0 := r.probeBook(t, key) // the key's next slot is p0.At + I
+				// local0, taken before the probe is sent, is no later
+				// than the Redis clock's p0.At (the probe's slot, at or
+				// after its call ran): B's slot, p0.At + I on the Redis
+				// clock, is no earlier than local0 + I on the local one.
 				local0 := time.Now()
+				p0 := r.probeBook(t, key) // the key's next slot is p0.At + I
 				var actx context.Context
 				var acancel context.CancelFunc
 				if how == "cancel" {
@@ -266,9 +270,9 @@ func TestReviewGNHandedDown(t *testing.T) {
 				// B holds the key's first slot after p0 (A's, handed down).
 				require.Equal(t, p0.At.Add(I), br.Booking().At, "B's slot: the first after the probe's (A's handed down)")
 				require.True(t, br.OK())
-				// B's start, on the Redis clock (p0.At at local0, an upper
-				// bound of the Redis clock then: the probe was booked
-				// before local0), is not before its slot.
+				// B's start, counted on the local clock from local0 (a
+				// lower bound of p0.At: taken before the probe was
+				// sent), is not before its slot.
 				require.False(t, b.Started().Before(local0.Add(br.Booking().At.Sub(p0.At))), "B started before its slot")
 				pb := r.probeBook(t, key)
 				// Textbook: p0, B at p0+I: the next at p0+2I.
