@@ -477,10 +477,19 @@ func rvPauseWaiters(t *testing.T, latency time.Duration, check, severAfter429 bo
 	}
 	warm.Wait()
 	p.SetLatency(latency)
-	var forcedAt atomic.Int64
+	// forcedAt is when the upstream answered 429, kept with its monotonic
+	// reading: the Transport times its own pause on the monotonic clock,
+	// which this VM's wall clock is slewed against, by more than the
+	// slack between forcedAt and the Transport's reading of the 429.
+	var (
+		forcedMu sync.Mutex
+		forcedAt time.Time
+	)
 	up := rvNewUp(t, func(n int, _ *http.Request, w http.ResponseWriter) {
 		if n == 1 {
-			forcedAt.Store(time.Now().UnixNano())
+			forcedMu.Lock()
+			forcedAt = time.Now()
+			forcedMu.Unlock()
 			w.Header().Set("Retry-After", "2")
 			w.WriteHeader(http.StatusTooManyRequests)
 		}
@@ -539,7 +548,9 @@ func rvPauseWaiters(t *testing.T, latency time.Duration, check, severAfter429 bo
 	if severAfter429 {
 		require.Positive(t, pauseErrs.Load(), "the pause could not be stored")
 	}
-	end := time.Unix(0, forcedAt.Load()).Add(2 * time.Second)
+	forcedMu.Lock()
+	end := forcedAt.Add(2 * time.Second)
+	forcedMu.Unlock()
 	// Where the pause cannot be stored, judge only what was sent after the
 	// 429 reached its caller (the window before is the latency test's).
 	from := learned
