@@ -71,7 +71,9 @@
 // that returns an error never holds a lease. If that call fails (Redis
 // unreachable, the engine's breaker open, its reply lost), the keeper
 // sends it again every poll interval until it succeeds; Redis drops the
-// waiter, and a lease granted to it, within the TTL in any case. The
+// waiter, and a lease granted to it, within the TTL in any case (or, if
+// the key's waiters set was lost meanwhile, when the waiter reaches the
+// head of the queue, where it is dropped rather than granted). The
 // keeper does the same for a waiter that leaves while a keep call that
 // refreshes it is on its way, since that call may put it back in the
 // queue.

@@ -74,6 +74,15 @@ end
 -- admit grants leases to the waiters at the head of the queue while fewer
 -- than N are held, first come first served. A grant to the calling process
 -- goes in its reply; one to another process goes on that process's list.
+--
+-- Every waiter in Q has its expiry in W (acquire.lua and keep.lua add
+-- both; sweep, admit and leave.lua drop both). An id in Q with none is
+-- no waiter's any more: W was lost since it queued (overwritten, and
+-- then deleted, or evicted), and with it the expiry that would have
+-- dropped it once its process stopped refreshing it (a waiter that gave
+-- up while its leave call could not run). It is dropped, not granted a
+-- lease nobody would hold for a TTL; a waiter still waiting queues again
+-- at its next poll (keep.lua).
 local function admit()
   local room = limit - redis.call('ZCARD', H)
   while room > 0 do
@@ -81,19 +90,20 @@ local function admit()
     if #head == 0 then break end
     local id = head[1]
     redis.call('ZREM', Q, id)
-    redis.call('ZREM', W, id)
-    local token = grant(id)
-    local p = owner(id)
-    if p == proc then
-      mine[#mine + 1] = id
-      mine[#mine + 1] = token
-      mine[#mine + 1] = ttl
-    else
-      local n = NB .. p
-      redis.call('RPUSH', n, id .. ' ' .. fmt(token))
-      redis.call('PEXPIRE', n, fmt(math.ceil(ttl / 1000) + 1000))
+    if redis.call('ZREM', W, id) == 1 then
+      local token = grant(id)
+      local p = owner(id)
+      if p == proc then
+        mine[#mine + 1] = id
+        mine[#mine + 1] = token
+        mine[#mine + 1] = ttl
+      else
+        local n = NB .. p
+        redis.call('RPUSH', n, id .. ' ' .. fmt(token))
+        redis.call('PEXPIRE', n, fmt(math.ceil(ttl / 1000) + 1000))
+      end
+      room = room - 1
     end
-    room = room - 1
   end
 end
 
