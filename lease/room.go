@@ -8,6 +8,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/slotbook/slotbook/internal/rediserr"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -495,7 +496,7 @@ func (s *Semaphore) retryAfter(key string, err error, prev, interval time.Durati
 // may pass (LOADING, BUSY, a failover's READONLY) or are not the key's
 // (NOPERM): the keeper tries them again, and the waiter waits on.
 func lasting(err error) bool {
-	return redis.HasErrorPrefix(err, "WRONGTYPE")
+	return rediserr.WrongType(err)
 }
 
 // keepCall extends r's leases and refreshes its waiters in one call,

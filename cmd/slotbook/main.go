@@ -72,6 +72,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/slotbook/slotbook/internal/rediserr"
 	"github.com/slotbook/slotbook/reserve"
 	"github.com/slotbook/slotbook/throttle"
 )
@@ -481,7 +482,7 @@ func subjectError(err error) bool {
 // corrupt reports whether err is of a key whose value is not a TAT
 // (ErrCorruptState, WRONGTYPE): the case reset is the way out of.
 func corrupt(err error) bool {
-	return errors.Is(err, throttle.ErrCorruptState) || redis.HasErrorPrefix(err, "WRONGTYPE")
+	return errors.Is(err, throttle.ErrCorruptState) || rediserr.WrongType(err)
 }
 
 // subjectKeys are the keys found of one subject (before the prefix), each
