@@ -553,9 +553,14 @@ func rvPauseWaiters(t *testing.T, latency time.Duration, check, severAfter429 bo
 	forcedMu.Unlock()
 	// Where the pause cannot be stored, judge only what was sent after the
 	// 429 reached its caller (the window before is the latency test's).
-	from := learned
+	// A request that had passed the Transport's pause check just before
+	// the 429 came back goes to the base at once, not waiting: on a busy
+	// machine its goroutine may reach the base a few milliseconds after
+	// learned. So the judged window begins 5 ms on; the requests it is
+	// for wait for slots 25 ms or more apart, and still fall in it.
+	from := learned.Add(5 * time.Millisecond)
 	if severAfter429 {
-		from = returned
+		from = returned.Add(5 * time.Millisecond)
 	}
 	for _, a := range up.got() {
 		s := sent[a.id]
