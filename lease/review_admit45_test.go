@@ -718,3 +718,86 @@ func TestReviewAdmit45LostGrantReply(t *testing.T) {
 		assert.Less(t, d, ttl, "the lease of a waiter that returned an error stood for a TTL")
 	}
 }
+
+// ad45Race holds one keep call's reply back after it ran (armKeep: the
+// next keep call; ran is signalled once Redis has run it), and holds
+// the next call of four arguments (a release or a leave: armRel) back
+// before it is sent.
+type ad45Race struct {
+	armKeep, armRel   atomic.Bool
+	keepWait, relWait time.Duration
+	ran               chan []any
+
+	mu   sync.Mutex // guards sent
+	sent []string   // the calls of four arguments (release, leave) as they went out: id
+}
+
+func (h *ad45Race) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *ad45Race) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+func (h *ad45Race) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		argv, _ := rvScriptArgs(cmd)
+		tag := ""
+		switch {
+		case rvIsKeep(cmd) && len(argv) > 4 && h.armKeep.CompareAndSwap(true, false):
+			err := next(ctx, cmd)
+			h.ran <- argv
+			time.Sleep(h.keepWait)
+			return err
+		case len(argv) == 4 && h.armRel.CompareAndSwap(true, false):
+			time.Sleep(h.relWait)
+			tag = "held back: "
+		}
+		if len(argv) == 4 {
+			h.mu.Lock()
+			h.sent = append(h.sent, fmt.Sprint(tag, argv[3]))
+			h.mu.Unlock()
+		}
+		return next(ctx, cmd)
+	}
+}
+
+// TestReviewAdmit45KeepReplyAfterRelease: C's waiter is refreshed by a
+// keep call whose reply is slow (300 ms: a busy machine, a slow link);
+// meanwhile B releases, the grant wakes C's waiter, and its caller
+// releases the lease at once, the release call taking 400 ms to go out.
+// The keep call's reply then finds the waiter neither waiting nor
+// holding and sends a leave call for it, which reaches Redis before the
+// release and gives the lease back: Release returns ErrLost ("the lease
+// had lapsed before it was released") for a lease Redis held, extended
+// by nobody but within its TTL, until its holder released it. Seen once
+// by TestReviewAdmit45LostGrantReply, where A's leave retry (which
+// grants C's waiter) and C's poll come due together.
+func TestReviewAdmit45KeepReplyAfterRelease(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	const ttl, poll = 3 * time.Second, 200 * time.Millisecond
+	h := &ad45Race{keepWait: 300 * time.Millisecond, relWait: 400 * time.Millisecond, ran: make(chan []any, 1)}
+	b := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	c := rvSem(t, rvDirect(t, e, 5*time.Second, h), 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	require.NoError(t, c.Load(ctx))
+	held, err := b.Acquire(ctx, "r")
+	require.NoError(t, err)
+	got := make(chan wt45Got, 1)
+	actx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	wt45Acquire(actx, e, c, "c", "r", got)
+	rwQueued(t, e, "r", 1)
+	h.armKeep.Store(true)
+	argv := <-h.ran // C's keep call ran: its waiter refreshed; its reply held back
+	require.NoError(t, held.Release(ctx))
+	g := <-got
+	require.NoError(t, g.err)
+	lostBefore := rv5IsLost(g.l)
+	seen := rvLook(ctx, e.rdb, e, "r", g.l.Token())
+	h.armRel.Store(true)
+	rerr := g.l.Release(ctx)
+	t.Logf("keep call %v; C granted token %d (Redis holds it: %v, %v left; Lost closed: %v); Release: %v", argv[3:], g.l.Token(), seen.held, seen.margin(), lostBefore, rerr)
+	h.mu.Lock()
+	t.Logf("C's release and leave calls as they went out (the release is the one held back): %v", h.sent)
+	h.mu.Unlock()
+	assert.False(t, lostBefore)
+	assert.NoError(t, rerr, "Release of a lease Redis held until its release: ErrLost says it lapsed before")
+}
