@@ -76,7 +76,9 @@
 // head of the queue, where it is dropped rather than granted). The
 // keeper does the same for a waiter that leaves while a keep call that
 // refreshes it is on its way, since that call may put it back in the
-// queue.
+// queue, and for one granted and released meanwhile; that leave call
+// gives back only a grant made after the release, never the lease
+// released, whose release call it may overtake.
 //
 // # Cost
 //

@@ -390,7 +390,7 @@ func (s *Semaphore) lapseLocked(l *Lease) {
 		delete(r.holds, l.id)
 		s.obs.ObserveHeld(s.name, -1)
 		if !s.closed {
-			s.leavingLocked(r, l.id)
+			s.leavingLocked(r, l.id, 0)
 		}
 	}
 	s.markLostLocked(l)

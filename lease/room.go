@@ -26,13 +26,24 @@ type room struct {
 	blocking bool
 	// leaving holds, by id, the waiters that are gone but may still stand
 	// in Redis (a leave call that failed, or a keep call that may have put
-	// one back in the queue), with the time after which Redis has dropped
-	// them anyway; the keeper sends their leave calls (sendLeaves).
-	leaving map[string]time.Time
+	// one back in the queue); the keeper sends their leave calls
+	// (sendLeaves).
+	leaving map[string]gone
 	// check asks the keeper for a keep call at once: the waker read a
 	// wake-up too old to time its lease by (see deliver), and the keep
 	// call reports the grant with the time Redis has left on it.
 	check bool
+}
+
+// A gone waiter is one that may still stand in Redis, for its leave call.
+type gone struct {
+	until time.Time // when Redis has dropped it, and any lease granted to it, anyway
+	// spare is the fencing token of a lease granted to the waiter that its
+	// holder has released (0: none): the leave call leaves that lease to
+	// the release call, which it may overtake, and gives back only a later
+	// grant (one a keep call that reached Redis after the release made,
+	// having put the waiter back in the queue).
+	spare int64
 }
 
 // A waiter is one Acquire call. A grant moves it from its room's waiters to
@@ -44,6 +55,7 @@ type waiter struct {
 	grant  chan *Lease // cap 1
 	fail   chan error  // cap 1: a keep call's lasting error (see lasting), which its Acquire returns
 	queued bool        // its acquire call has answered and it waits in the queue
+	lease  *Lease      // set when deliver hands it one
 	// since is when the latest call that found it not yet granted (or its
 	// acquire call, which put it in the queue) was sent: a lease granted
 	// to it cannot have been granted, in Redis, before then. (The wake-up
@@ -79,7 +91,7 @@ func (s *Semaphore) roomLocked(key string) *room {
 	r := s.rooms[key]
 	if r == nil {
 		r = &room{key: key, waiters: make(map[string]*waiter), holds: make(map[string]*Lease),
-			wake: make(chan struct{}, 1), leaving: make(map[string]time.Time)}
+			wake: make(chan struct{}, 1), leaving: make(map[string]gone)}
 		s.rooms[key] = r
 		s.keeper.Add(1)
 		go s.keep(r)
@@ -170,6 +182,7 @@ func (s *Semaphore) deliver(key string, gs []grant) {
 			}
 		}
 		r.holds[g.id] = l
+		w.lease = l
 		s.obs.ObserveWaiting(s.name, -1)
 		s.obs.ObserveHeld(s.name, 1)
 		w.grant <- l // cap 1, sent once
@@ -220,12 +233,17 @@ func (s *Semaphore) retryLeave(key, id string) {
 	if s.closed {
 		return
 	}
-	s.leavingLocked(s.roomLocked(key), id)
+	s.leavingLocked(s.roomLocked(key), id, 0)
 }
 
-// leavingLocked adds id to r's leaving and wakes r's keeper. s.mu is held.
-func (s *Semaphore) leavingLocked(r *room, id string) {
-	r.leaving[id] = time.Now().Add(s.ttl)
+// leavingLocked adds id to r's leaving, to leave the lease with token
+// spare to its release (0: none; a leave asked for without one wins), and
+// wakes r's keeper. s.mu is held.
+func (s *Semaphore) leavingLocked(r *room, id string, spare int64) {
+	if g, ok := r.leaving[id]; ok && g.spare == 0 {
+		spare = 0
+	}
+	r.leaving[id] = gone{until: time.Now().Add(s.ttl), spare: spare}
 	select {
 	case r.wake <- struct{}{}:
 	default:
@@ -238,17 +256,19 @@ func (s *Semaphore) leavingLocked(r *room, id string) {
 func (s *Semaphore) sendLeaves(r *room) {
 	s.mu.Lock()
 	ids := make([]string, 0, len(r.leaving))
-	for id, until := range r.leaving {
-		if time.Now().After(until) {
+	spares := make([]int64, 0, len(r.leaving))
+	for id, g := range r.leaving {
+		if time.Now().After(g.until) {
 			delete(r.leaving, id)
 		} else {
 			ids = append(ids, id)
+			spares = append(spares, g.spare)
 		}
 	}
 	s.mu.Unlock()
-	for _, id := range ids {
+	for i, id := range ids {
 		ctx, cancel := s.detach(context.Background())
-		_, err := s.run(ctx, leaveScript, r.key, id)
+		_, err := s.run(ctx, leaveScript, r.key, id, spares[i])
 		cancel()
 		s.mu.Lock()
 		if err == nil || s.closed {
@@ -507,7 +527,8 @@ func lasting(err error) bool {
 // A waiter that leaves while the keep call is on its way (its leave call
 // may reach Redis first) is put back in the queue by it, and may be
 // granted a lease nobody holds: its leave call is sent again after the
-// keep call.
+// keep call. A waiter granted while the call was out is not: its lease
+// gives its place back.
 func (s *Semaphore) keepCall(r *room) error {
 	defer s.sendLeaves(r)
 	s.mu.Lock()
@@ -517,9 +538,11 @@ func (s *Semaphore) keepCall(r *room) error {
 		args = append(args, id)
 		l.fresh = false
 	}
+	var ws []*waiter // the waiters refreshed, in args' order
 	for id, w := range r.waiters {
 		if w.queued {
 			args = append(args, id)
+			ws = append(ws, w)
 		}
 	}
 	s.mu.Unlock()
@@ -530,10 +553,9 @@ func (s *Semaphore) keepCall(r *room) error {
 	defer cancel()
 	rep, err := s.run(ctx, keepScript, r.key, args...)
 	s.mu.Lock()
-	for _, id := range args[1+h:] {
-		id := id.(string)
-		switch w := r.waiters[id]; {
-		case w != nil:
+	for _, w := range ws {
+		switch {
+		case r.waiters[w.id] == w:
 			if err == nil {
 				w.since = rep.sent // not granted when the call ran
 			} else if lasting(err) {
@@ -542,8 +564,18 @@ func (s *Semaphore) keepCall(r *room) error {
 				default:
 				}
 			}
-		case r.holds[id] == nil:
-			s.leavingLocked(r, id) // gone while the call was out (also after Close: tried once)
+		case w.lease == nil:
+			s.leavingLocked(r, w.id, 0) // gone while the call was out (also after Close: tried once)
+		case w.lease.released:
+			// Granted and released while the call was out: if the call
+			// reached Redis after the release, it put the waiter back in
+			// the queue, and may have granted it a lease nobody holds.
+			// The leave call gives that back, but not the lease
+			// released, whose release call it may overtake (helper-121:
+			// the Release then found its lease given back, ErrLost).
+			// One granted and still held needs none: the call found it
+			// held. One found lapsed has its own (lapseLocked).
+			s.leavingLocked(r, w.id, w.lease.token)
 		}
 	}
 	lapsed := make(map[string]bool, len(rep.extra))
