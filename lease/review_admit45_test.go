@@ -425,13 +425,16 @@ func TestReviewAdmit45NormalChurn(t *testing.T) {
 // to its 20 s end), no id whose Acquire failed or whose lease was
 // released standing as a holder a TTL and a second later, nothing left
 // after Close. FIFO is not owed (the set's loss costs waiters their
-// places) and only reported.
+// places) and only reported. It runs three of the six cases the review
+// ran, to keep the package well inside go test's 10 minutes on a busy
+// machine (it took 8 with all six): N = 1 with the set deleted, N = 3
+// with replies lost, and both at N = 3.
 func TestReviewAdmit45ChaosWaitersLost(t *testing.T) {
 	for _, tc := range []struct {
 		n          int
 		del        bool
 		losePerMil uint64
-	}{{1, true, 0}, {3, true, 0}, {1, false, 100}, {3, false, 100}, {1, true, 100}, {3, true, 100}} {
+	}{{1, true, 0}, {3, false, 100}, {3, true, 100}} {
 		t.Run(fmt.Sprintf("N=%d,del=%v,lost=%d", tc.n, tc.del, tc.losePerMil), func(t *testing.T) {
 			n := tc.n
 			e := newEnv(t)
