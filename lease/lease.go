@@ -95,10 +95,12 @@ type Semaphore struct {
 	quit   chan struct{}
 	keeper sync.WaitGroup // the rooms' keepers
 
-	mu     sync.Mutex       // guards the fields below, and every room and Lease
-	rooms  map[string]*room // by key: the keys this process holds or waits for
-	seq    uint64           // numbers lease ids
-	closed bool
+	mu    sync.Mutex       // guards the fields below, and every room and Lease
+	rooms map[string]*room // by key: the keys this process holds or waits for
+	seq   uint64           // numbers lease ids
+	// leaveSeq numbers the rooms' leaving entries (see gone).
+	leaveSeq uint64
+	closed   bool
 }
 
 // blocker is what the wake-up needs of the go-redis clients (Client,

@@ -44,6 +44,7 @@ type gone struct {
 	// grant (one a keep call that reached Redis after the release made,
 	// having put the waiter back in the queue).
 	spare int64
+	seq   uint64 // tells this entry from one that replaced it while its call was out
 }
 
 // A waiter is one Acquire call. A grant moves it from its room's waiters to
@@ -243,7 +244,8 @@ func (s *Semaphore) leavingLocked(r *room, id string, spare int64) {
 	if g, ok := r.leaving[id]; ok && g.spare == 0 {
 		spare = 0
 	}
-	r.leaving[id] = gone{until: time.Now().Add(s.ttl), spare: spare}
+	s.leaveSeq++
+	r.leaving[id] = gone{until: time.Now().Add(s.ttl), spare: spare, seq: s.leaveSeq}
 	select {
 	case r.wake <- struct{}{}:
 	default:
@@ -256,22 +258,25 @@ func (s *Semaphore) leavingLocked(r *room, id string, spare int64) {
 func (s *Semaphore) sendLeaves(r *room) {
 	s.mu.Lock()
 	ids := make([]string, 0, len(r.leaving))
-	spares := make([]int64, 0, len(r.leaving))
+	sent := make([]gone, 0, len(r.leaving))
 	for id, g := range r.leaving {
 		if time.Now().After(g.until) {
 			delete(r.leaving, id)
 		} else {
 			ids = append(ids, id)
-			spares = append(spares, g.spare)
+			sent = append(sent, g)
 		}
 	}
 	s.mu.Unlock()
 	for i, id := range ids {
 		ctx, cancel := s.detach(context.Background())
-		_, err := s.run(ctx, leaveScript, r.key, id, spares[i])
+		_, err := s.run(ctx, leaveScript, r.key, id, sent[i].spare)
 		cancel()
 		s.mu.Lock()
-		if err == nil || s.closed {
+		// An entry that replaced this one while the call was out (a
+		// leave asked for again, perhaps without the spare token: see
+		// leavingLocked) is sent at the next round (helper-122).
+		if g, ok := r.leaving[id]; ok && (s.closed || err == nil && g.seq == sent[i].seq) {
 			delete(r.leaving, id)
 		}
 		s.mu.Unlock()
@@ -564,8 +569,13 @@ func (s *Semaphore) keepCall(r *room) error {
 				default:
 				}
 			}
-		case w.lease == nil:
-			s.leavingLocked(r, w.id, 0) // gone while the call was out (also after Close: tried once)
+		case w.lease == nil || !w.lease.released && r.holds[w.id] == nil:
+			// Gone while the call was out (also after Close: tried once),
+			// or granted and found lapsed meanwhile: lapseLocked's own
+			// leave call may have been sent, or dropped, before this call
+			// reached Redis and put the waiter back in the queue
+			// (helper-122).
+			s.leavingLocked(r, w.id, 0)
 		case w.lease.released:
 			// Granted and released while the call was out: if the call
 			// reached Redis after the release, it put the waiter back in
@@ -574,7 +584,7 @@ func (s *Semaphore) keepCall(r *room) error {
 			// released, whose release call it may overtake (helper-121:
 			// the Release then found its lease given back, ErrLost).
 			// One granted and still held needs none: the call found it
-			// held. One found lapsed has its own (lapseLocked).
+			// held.
 			s.leavingLocked(r, w.id, w.lease.token)
 		}
 	}
