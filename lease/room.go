@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -254,9 +255,13 @@ func (s *Semaphore) leavingLocked(r *room, id string, spare int64) {
 
 // sendLeaves sends the leave call of each of r's gone waiters, dropping
 // those it succeeds for and those past their time; after Close, every
-// one is tried once.
+// one is tried once (an entry asked for again while its call was out,
+// once more), side by side: one by one, a call whose reply was lost would
+// open the engine's breaker and have the others refused unsent
+// (helper-123), leaving their waiters in the queue for a TTL.
 func (s *Semaphore) sendLeaves(r *room) {
 	s.mu.Lock()
+	closed := s.closed
 	ids := make([]string, 0, len(r.leaving))
 	sent := make([]gone, 0, len(r.leaving))
 	for id, g := range r.leaving {
@@ -268,20 +273,43 @@ func (s *Semaphore) sendLeaves(r *room) {
 		}
 	}
 	s.mu.Unlock()
-	for i, id := range ids {
+	send := func(i int) {
 		ctx, cancel := s.detach(context.Background())
-		_, err := s.run(ctx, leaveScript, r.key, id, sent[i].spare)
+		_, err := s.run(ctx, leaveScript, r.key, ids[i], sent[i].spare)
 		cancel()
 		s.mu.Lock()
 		// An entry that replaced this one while the call was out (a
 		// leave asked for again, perhaps without the spare token: see
-		// leavingLocked) is sent at the next round (helper-122).
-		if g, ok := r.leaving[id]; ok && (s.closed || err == nil && g.seq == sent[i].seq) {
-			delete(r.leaving, id)
+		// leavingLocked) is sent at the next round (helper-122), after
+		// Close too (helper-123).
+		if g, ok := r.leaving[ids[i]]; ok && g.seq == sent[i].seq && (err == nil || s.closed) {
+			delete(r.leaving, ids[i])
 		}
 		s.mu.Unlock()
 	}
+	if !closed || len(ids) < 2 {
+		for i := range ids {
+			send(i)
+		}
+		return
+	}
+	var wg sync.WaitGroup
+	limit := make(chan struct{}, maxCloseLeaves)
+	for i := range ids {
+		wg.Add(1)
+		limit <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-limit }()
+			send(i)
+		}()
+	}
+	wg.Wait()
 }
+
+// maxCloseLeaves is the most leave calls of one key sendLeaves has out at
+// once after Close.
+const maxCloseLeaves = 16
 
 // keep is a room's keeper: while the room exists it extends its leases
 // every TTL/3 and, while it has waiters, blocks on the process's wake-up
