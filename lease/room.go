@@ -258,7 +258,10 @@ func (s *Semaphore) leavingLocked(r *room, id string, spare int64) {
 // one is tried once (an entry asked for again while its call was out,
 // once more), side by side: one by one, a call whose reply was lost would
 // open the engine's breaker and have the others refused unsent
-// (helper-123), leaving their waiters in the queue for a TTL.
+// (helper-123), leaving their waiters in the queue for a TTL. Calls that
+// an engine's breaker open at Close refuses are not sent again (a known
+// limit: helper-124's TestReviewClose45BreakerOpenAtClose); their waiters
+// leave Redis's queue within the TTL, unrefreshed.
 func (s *Semaphore) sendLeaves(r *room) {
 	s.mu.Lock()
 	closed := s.closed
@@ -282,7 +285,10 @@ func (s *Semaphore) sendLeaves(r *room) {
 		// leave asked for again, perhaps without the spare token: see
 		// leavingLocked) is sent at the next round (helper-122), after
 		// Close too (helper-123).
-		if g, ok := r.leaving[ids[i]]; ok && g.seq == sent[i].seq && (err == nil || s.closed) {
+		// After Close an entry is tried once: in a round that began after
+		// it (a call that failed before Close began, even if its reply
+		// came after, is tried again: helper-124).
+		if g, ok := r.leaving[ids[i]]; ok && g.seq == sent[i].seq && (err == nil || closed) {
 			delete(r.leaving, ids[i])
 		}
 		s.mu.Unlock()
