@@ -283,11 +283,10 @@ func (s *Semaphore) sendLeaves(r *room) {
 		s.mu.Lock()
 		// An entry that replaced this one while the call was out (a
 		// leave asked for again, perhaps without the spare token: see
-		// leavingLocked) is sent at the next round (helper-122), after
-		// Close too (helper-123).
-		// After Close an entry is tried once: in a round that began after
-		// it (a call that failed before Close began, even if its reply
-		// came after, is tried again: helper-124).
+		// leavingLocked) is sent at the next round, after Close too
+		// (helper-122, helper-123). A failed call counts as tried only
+		// in a round that began after Close: one that failed before, its
+		// reply coming after Close began, is tried again (helper-124).
 		if g, ok := r.leaving[ids[i]]; ok && g.seq == sent[i].seq && (err == nil || closed) {
 			delete(r.leaving, ids[i])
 		}
@@ -566,8 +565,9 @@ func lasting(err error) bool {
 // A waiter that leaves while the keep call is on its way (its leave call
 // may reach Redis first) is put back in the queue by it, and may be
 // granted a lease nobody holds: its leave call is sent again after the
-// keep call. A waiter granted while the call was out is not: its lease
-// gives its place back.
+// keep call. So is that of one granted and released while the call was
+// out, sparing the lease released (see gone.spare); one granted and still
+// held needs none.
 func (s *Semaphore) keepCall(r *room) error {
 	defer s.sendLeaves(r)
 	s.mu.Lock()
