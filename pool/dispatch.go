@@ -280,6 +280,13 @@ func (p *Pool) handDownLocked(now time.Time) {
 			j.res, j.at, j.act, j.seq = res, to.at, to.act, to.seq
 			if s.wanted {
 				j.act = handedStart(to.at, to.act, s.at, s.act)
+				if res != nil && res.OK() {
+					// A late refusal's booking, claimed, starts no later
+					// than its Reservation says, as Job.Slot's doc has it:
+					// to.act counted from the pool's reading after the
+					// reply (see book), a few µs after reserve's.
+					j.act = earliest(j.act, res.SlotAt())
+				}
 			}
 			if j.caller {
 				select { // it sleeps until the new slot
