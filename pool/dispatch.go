@@ -281,10 +281,11 @@ func (p *Pool) handDownLocked(now time.Time) {
 			if s.wanted {
 				j.act = handedStart(to.at, to.act, s.at, s.act)
 				if res != nil && res.OK() {
-					// A late refusal's booking, claimed, starts no later
-					// than its Reservation says, as Job.Slot's doc has it:
-					// to.act counted from the pool's reading after the
-					// reply (see book), a few µs after reserve's.
+					// No later than its Reservation says, as Job.Slot's doc
+					// has it. Only a late refusal's booking, claimed, can
+					// be later otherwise: its to.act counts from the
+					// pool's reading after the reply (see book), a few µs
+					// after reserve's.
 					j.act = earliest(j.act, res.SlotAt())
 				}
 			}
