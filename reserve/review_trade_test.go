@@ -85,27 +85,39 @@ func trCheckNext(t *testing.T, l *reserve.Limiter, ctx context.Context, key stri
 	}
 }
 
+// trReplyDelay is how long trLimiter's engine holds back every reply, and
+// trLateIn the deadline of trBatch's late requests: Redis books them at
+// once, and the reply makes them late. Each side of trLateIn leaves 50 ms
+// for a busy machine's stalls: CI once took more than 20 ms between
+// making a 20 ms deadline and reading the clock for the call's budget,
+// which refused the request unsent (holding nothing) and broke the
+// premise.
+const (
+	trReplyDelay = 100 * time.Millisecond
+	trLateIn     = trReplyDelay / 2
+)
+
 // trLimiter is a limiter on a fresh engine whose every reply is held back
-// 40 ms.
+// trReplyDelay.
 func trLimiter(t *testing.T, lim throttle.Limit, opts ...reserve.Option) (*reserve.Limiter, *redistest.Proxy) {
 	t.Helper()
 	eng, p, _ := latencyEngine(t)
-	p.SetReplyDelay(40 * time.Millisecond)
+	p.SetReplyDelay(trReplyDelay)
 	l, err := reserve.New(eng, "tr", lim, append([]reserve.Option{reserve.WithoutMaxWait()}, opts...)...)
 	require.NoError(t, err)
 	return l, p
 }
 
 // trBatch books ns in one ReserveBatch on ctx, the requests at lateIdx
-// with a deadline 20 ms away (made late by the 40 ms reply delay) and
-// held; the others held too, without a deadline.
+// with a deadline trLateIn away (made late by the reply delay) and held;
+// the others held too, without a deadline.
 func trBatch(t *testing.T, l *reserve.Limiter, ctx context.Context, key string, ns []int, lateIdx ...int) []*reserve.Reservation {
 	t.Helper()
 	reqs := make([]reserve.BatchRequest, len(ns))
 	for i, n := range ns {
 		reqs[i] = reserve.BatchRequest{N: n, HoldLate: true}
 		if slices.Contains(lateIdx, i) {
-			dl, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+			dl, cancel := context.WithTimeout(context.Background(), trLateIn)
 			t.Cleanup(cancel)
 			reqs[i].Context = dl
 		}
@@ -293,7 +305,7 @@ func TestReviewTRRefused(t *testing.T) {
 	ctx := context.Background()
 	lim := throttle.PerSecond(2, 2)
 	eng, p, _ := latencyEngine(t)
-	p.SetReplyDelay(40 * time.Millisecond)
+	p.SetReplyDelay(trReplyDelay)
 	l, err := reserve.New(eng, "tr", lim, reserve.WithoutMaxWait())
 	require.NoError(t, err)
 	other, err := reserve.New(eng, "tr", lim, reserve.WithoutMaxWait())
@@ -349,7 +361,7 @@ func TestReviewTRAfterLostCancel(t *testing.T) {
 		time.Sleep(150 * time.Millisecond)
 		p.Sever()
 		require.Error(t, <-errc, "a Cancel whose reply was lost")
-		p.SetReplyDelay(40 * time.Millisecond)
+		p.SetReplyDelay(trReplyDelay)
 	}
 	t.Run("r", func(t *testing.T) {
 		t.Parallel()
