@@ -161,9 +161,11 @@ func TestBatchHoldLateClaim(t *testing.T) {
 	require.Nil(t, late.Claim(), "not held")
 }
 
-// TestBatchHoldLateGone: with every reply held back 40 ms, a batch
-// request whose Context is cancelled while the call is out, its slot
-// immediate. With HoldLate it is refused with the context's error and
+// TestBatchHoldLateGone: with every reply held back 100 ms, a batch
+// request whose Context is cancelled while the call is out (50 ms after
+// the call starts: each side leaves 50 ms for a busy machine's stalls; a
+// stall past a 10 ms cancel refused the request unsent, holding nothing),
+// its slot immediate. With HoldLate it is refused with the context's error and
 // holds its booking (Booking().OK), whose Cancel gives the room back
 // though the slot has come, for no one acted on it: the next booking
 // finds the key idle (Wait 0 on the Redis clock). Before, it was answered
@@ -173,14 +175,14 @@ func TestBatchHoldLateClaim(t *testing.T) {
 func TestBatchHoldLateGone(t *testing.T) {
 	t.Parallel()
 	eng, p, _ := latencyEngine(t)
-	p.SetReplyDelay(40 * time.Millisecond)
+	p.SetReplyDelay(100 * time.Millisecond)
 	l, err := reserve.New(eng, "gone", throttle.PerSecond(2, 0)) // 500 ms apart
 	require.NoError(t, err)
 	ctx := context.Background()
 	for _, hold := range []bool{true, false} {
 		key := fmt.Sprintf("k-%v", hold)
 		cctx, cancel := context.WithCancel(ctx)
-		time.AfterFunc(10*time.Millisecond, cancel) // the call is out by then
+		time.AfterFunc(50*time.Millisecond, cancel) // the call is out by then, its reply not in
 		rs, err := l.ReserveBatch(ctx, key, []reserve.BatchRequest{{Context: cctx, N: 1, HoldLate: hold}})
 		require.NoError(t, err)
 		r := rs[0]

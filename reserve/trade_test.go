@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -13,9 +12,9 @@ import (
 	"github.com/slotbook/slotbook/throttle"
 )
 
-// TestBatchHoldLateTrade: with every reply held back 40 ms, a batch of
-// two on a fresh key with a burst: both land at once, the same slot (At),
-// and the first is refused late (its deadline 20 ms away), held. The
+// TestBatchHoldLateTrade: with every reply held back trReplyDelay, a batch
+// of two on a fresh key with a burst: both land at once, the same slot
+// (At), and the first is refused late (its deadline trLateIn away), held. The
 // second's holder has acted in its slot, which stands on the held one, so
 // the held room could never come back; Trade gives the holder the held
 // booking (the same slot) and hands its own back as spare, which no one
@@ -26,13 +25,13 @@ import (
 func TestBatchHoldLateTrade(t *testing.T) {
 	t.Parallel()
 	eng, p, calls := latencyEngine(t)
-	p.SetReplyDelay(40 * time.Millisecond)
+	p.SetReplyDelay(trReplyDelay)
 	l, err := reserve.New(eng, "api", throttle.PerSecond(2, 1)) // 500 ms apart, room for two at once
 	require.NoError(t, err)
 	ctx := context.Background()
 
 	batch := func(key string, lateFirst bool) (late, own *reserve.Reservation) {
-		dl, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+		dl, cancel := context.WithTimeout(ctx, trLateIn)
 		t.Cleanup(cancel)
 		reqs := []reserve.BatchRequest{{Context: dl, N: 1, HoldLate: true}, {N: 1, HoldLate: true}}
 		if !lateFirst {
@@ -114,7 +113,7 @@ func TestBatchHoldLateTrade(t *testing.T) {
 	l3, err := reserve.New(eng, "api3", throttle.PerSecond(2, 2)) // room for three at once
 	require.NoError(t, err)
 	for _, n := range [][2]int{{1, 2}, {2, 1}} {
-		dl, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+		dl, cancel := context.WithTimeout(ctx, trLateIn)
 		t.Cleanup(cancel)
 		key := fmt.Sprintf("sizes-%d-%d", n[0], n[1])
 		rs, err := l3.ReserveBatch(ctx, key, []reserve.BatchRequest{{Context: dl, N: n[0], HoldLate: true}, {N: n[1], HoldLate: true}})
