@@ -664,11 +664,17 @@ func TestReviewAWLatencyShortDeadline(t *testing.T) {
 	assert.ErrorIs(t, aerr, context.DeadlineExceeded, "AllowN whose ctx ended while the call was out")
 	assert.Less(t, d, 4*rtt+time.Second)
 	idle("AllowN (what it counted goes back)")
+	// The batch's deadlines are 60 ms, not 30: a request whose deadline
+	// has passed before ReserveBatch reads the clock is refused unsent and
+	// holds nothing, so 30 ms was all a stall could take before the call
+	// (a 40 ms stall broke "holds its booking"). The reply still comes
+	// after the deadline whatever the stalls: it takes at least the two
+	// 40 ms legs of the proxy from the call's start.
 	for _, hold := range []bool{false, true} {
 		reqs := make([]reserve.BatchRequest, 3)
 		var cancels []context.CancelFunc
 		for i := range reqs {
-			c, cancel := context.WithTimeout(ctx, 30*time.Millisecond)
+			c, cancel := context.WithTimeout(ctx, 60*time.Millisecond)
 			cancels = append(cancels, cancel)
 			reqs[i] = reserve.BatchRequest{Context: c, N: 1, HoldLate: hold}
 		}
