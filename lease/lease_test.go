@@ -12,91 +12,27 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/internal/callcount"
-	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 	"github.com/slotbook/slotbook/throttle"
 )
 
-// env is one test's engine on a key prefix of its own.
-type env struct {
-	srv    *redistest.Server
-	rdb    *redis.Client
-	calls  *callcount.Counter
-	eng    *throttle.Engine
-	prefix string
-}
-
-func newEnv(t *testing.T) *env {
-	t.Helper()
-	srv := redistest.Shared(t)
-	srv.RequireReal(t)
-	rdb := srv.Client(t)
-	calls := callcount.Attach(rdb)
-	prefix := redistest.Prefix(t)
-	// A generous timeout: these tests check logic, not latency.
-	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
-	require.NoError(t, err)
-	return &env{srv: srv, rdb: rdb, calls: calls, eng: eng, prefix: prefix}
-}
-
-// sem builds a Semaphore closed when the test ends.
-func (e *env) sem(t *testing.T, n int, opts ...lease.Option) *lease.Semaphore {
-	t.Helper()
-	s, err := lease.New(e.eng, "partner", n, opts...)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = s.Close(context.Background()) })
-	return s
-}
-
-// key returns the full Redis key of one of subject's lease structures
-// (h holders, q queue, w waiters, t tokens, c counter).
-func (e *env) key(subject, part string) string {
-	return e.prefix + "partner:{" + subject + "}:lease:" + part
-}
-
-// keys lists the Redis keys under the test's prefix.
-func (e *env) keys(t *testing.T) []string {
-	t.Helper()
-	ks, err := e.rdb.Keys(context.Background(), e.prefix+"*").Result()
-	require.NoError(t, err)
-	return ks
-}
-
-// keysBut is keys without subject's set of waiters that gave up (:l),
-// which is kept for a TTL after the last of them (so that a call their
-// leave overtook does not queue them again): it checks that the set
-// expires within ttl and a second.
-func (e *env) keysBut(t *testing.T, subject string, ttl time.Duration) []string {
-	t.Helper()
-	var out []string
-	for _, k := range e.keys(t) {
-		if k != e.key(subject, "l") {
-			out = append(out, k)
-			continue
-		}
-		d, err := e.rdb.PTTL(context.Background(), k).Result()
-		require.NoError(t, err)
-		require.True(t, d > 0 && d <= ttl+time.Second, "%s expires in %v, want within %v", k, d, ttl+time.Second)
-	}
-	return out
-}
-
 func TestInvalidInputMakesNoCall(t *testing.T) {
-	e := newEnv(t)
-	s := e.sem(t, 1)
-	before := e.calls.Load()
+	e := leasetest.NewEnv(t)
+	s := e.Sem(t, 1)
+	before := e.Calls.Load()
 	for _, tc := range []struct {
 		name string
 		err  func() error
 	}{
 		{"nil engine", func() error { _, err := lease.New(nil, "p", 1); return err }},
-		{"empty name", func() error { _, err := lease.New(e.eng, "", 1); return err }},
-		{"n zero", func() error { _, err := lease.New(e.eng, "p", 0); return err }},
-		{"n negative", func() error { _, err := lease.New(e.eng, "p", -3); return err }},
-		{"ttl zero", func() error { _, err := lease.New(e.eng, "p", 1, lease.WithTTL(0)); return err }},
-		{"ttl negative", func() error { _, err := lease.New(e.eng, "p", 1, lease.WithTTL(-time.Second)); return err }},
+		{"empty name", func() error { _, err := lease.New(e.Eng, "", 1); return err }},
+		{"n zero", func() error { _, err := lease.New(e.Eng, "p", 0); return err }},
+		{"n negative", func() error { _, err := lease.New(e.Eng, "p", -3); return err }},
+		{"ttl zero", func() error { _, err := lease.New(e.Eng, "p", 1, lease.WithTTL(0)); return err }},
+		{"ttl negative", func() error { _, err := lease.New(e.Eng, "p", 1, lease.WithTTL(-time.Second)); return err }},
 		{"poll beyond ttl/3", func() error {
-			_, err := lease.New(e.eng, "p", 1, lease.WithTTL(3*time.Second), lease.WithPollInterval(2*time.Second))
+			_, err := lease.New(e.Eng, "p", 1, lease.WithTTL(3*time.Second), lease.WithPollInterval(2*time.Second))
 			return err
 		}},
 		{"acquire empty key", func() error { _, err := s.Acquire(context.Background(), ""); return err }},
@@ -110,14 +46,14 @@ func TestInvalidInputMakesNoCall(t *testing.T) {
 			}
 		})
 	}
-	if got := e.calls.Load() - before; got != 0 {
+	if got := e.Calls.Load() - before; got != 0 {
 		t.Errorf("bad input made %d Redis calls, want 0", got)
 	}
 }
 
 func TestAcquireTryRelease(t *testing.T) {
-	e := newEnv(t)
-	s := e.sem(t, 2)
+	e := leasetest.NewEnv(t)
+	s := e.Sem(t, 2)
 	ctx := context.Background()
 	a, err := s.Acquire(ctx, "k")
 	require.NoError(t, err)
@@ -147,16 +83,16 @@ func TestAcquireTryRelease(t *testing.T) {
 	}
 	require.NoError(t, b.Release(ctx))
 	require.NoError(t, c.Release(ctx))
-	if n, _ := e.rdb.ZCard(ctx, e.key("k", "h")).Result(); n != 0 {
+	if n, _ := e.Rdb.ZCard(ctx, e.Key("k", "h")).Result(); n != 0 {
 		t.Errorf("%d holders left after every release, want 0", n)
 	}
 }
 
 func TestWaiterWokenOnRelease(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	// A poll far longer than the test: only the wake-up can grant.
-	s := e.sem(t, 1, lease.WithTTL(time.Minute), lease.WithPollInterval(20*time.Second))
-	other := e.sem(t, 1, lease.WithTTL(time.Minute), lease.WithPollInterval(20*time.Second))
+	s := e.Sem(t, 1, lease.WithTTL(time.Minute), lease.WithPollInterval(20*time.Second))
+	other := e.Sem(t, 1, lease.WithTTL(time.Minute), lease.WithPollInterval(20*time.Second))
 	ctx := context.Background()
 	held, err := s.Acquire(ctx, "k")
 	require.NoError(t, err)
@@ -168,7 +104,7 @@ func TestWaiterWokenOnRelease(t *testing.T) {
 		}
 		got <- l
 	}()
-	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 1 })
+	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 1 })
 	require.NoError(t, held.Release(ctx))
 	select {
 	case l := <-got:
@@ -182,30 +118,18 @@ func TestWaiterWokenOnRelease(t *testing.T) {
 	}
 }
 
-// waitFor polls cond until it holds, for at most 20 s.
-func waitFor(t *testing.T, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatal("condition never held")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 func TestCallsPerLease(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	opts := []lease.Option{lease.WithTTL(time.Hour), lease.WithPollInterval(20 * time.Minute)}
-	s := e.sem(t, 1, opts...)
+	s := e.Sem(t, 1, opts...)
 	ctx := context.Background()
 	require.NoError(t, s.Load(ctx)) // no NOSCRIPT round trips in the count
 
-	before := e.calls.Load()
+	before := e.Calls.Load()
 	l, err := s.Acquire(ctx, "k")
 	require.NoError(t, err)
 	require.NoError(t, l.Release(ctx))
-	if got := e.calls.Load() - before; got > 2 {
+	if got := e.Calls.Load() - before; got > 2 {
 		t.Errorf("an uncontended acquire and release took %d calls, want at most 2", got)
 	}
 
@@ -214,9 +138,9 @@ func TestCallsPerLease(t *testing.T) {
 	// its wake-up (BLPOP) and its release.
 	held, err := s.Acquire(ctx, "k")
 	require.NoError(t, err)
-	wrdb := e.srv.Client(t)
+	wrdb := e.Srv.Client(t)
 	wcalls := callcount.Attach(wrdb)
-	weng, err := throttle.New(wrdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second))
+	weng, err := throttle.New(wrdb, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(5*time.Second))
 	require.NoError(t, err)
 	waiter, err := lease.New(weng, "partner", 1, opts...)
 	require.NoError(t, err)
@@ -229,7 +153,7 @@ func TestCallsPerLease(t *testing.T) {
 		}
 		got <- err
 	}()
-	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 1 })
+	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 1 })
 	require.NoError(t, held.Release(ctx))
 	require.NoError(t, <-got)
 	if n := wcalls.Load(); n > 3 {
@@ -238,9 +162,9 @@ func TestCallsPerLease(t *testing.T) {
 }
 
 func TestCancelledWaitersLeaveNothing(t *testing.T) {
-	e := newEnv(t)
-	s := e.sem(t, 1, lease.WithTTL(time.Minute))
-	other := e.sem(t, 1, lease.WithTTL(time.Minute))
+	e := leasetest.NewEnv(t)
+	s := e.Sem(t, 1, lease.WithTTL(time.Minute))
+	other := e.Sem(t, 1, lease.WithTTL(time.Minute))
 	ctx := context.Background()
 	held, err := s.Acquire(ctx, "k")
 	require.NoError(t, err)
@@ -262,23 +186,23 @@ func TestCancelledWaitersLeaveNothing(t *testing.T) {
 			}
 		}()
 	}
-	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == waiters })
+	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == waiters })
 	cancel()
 	wg.Wait()
 	if got := errs.Load(); got != waiters {
 		t.Fatalf("%d waiters ended with context.Canceled, want %d", got, waiters)
 	}
-	left := e.keysBut(t, "k", time.Minute)
-	want := map[string]bool{e.key("k", "h"): true, e.key("k", "t"): true, e.key("k", "c"): true}
+	left := e.KeysBut(t, "k", time.Minute)
+	want := map[string]bool{e.Key("k", "h"): true, e.Key("k", "t"): true, e.Key("k", "c"): true}
 	for _, k := range left {
 		if !want[k] {
 			t.Errorf("key %q left behind by cancelled waiters", k)
 		}
 	}
 	require.NoError(t, held.Release(ctx))
-	left = e.keysBut(t, "k", time.Minute)
-	if len(left) != 1 || left[0] != e.key("k", "c") {
-		t.Errorf("keys after the release: %q, want only the token counter %q", left, e.key("k", "c"))
+	left = e.KeysBut(t, "k", time.Minute)
+	if len(left) != 1 || left[0] != e.Key("k", "c") {
+		t.Errorf("keys after the release: %q, want only the token counter %q", left, e.Key("k", "c"))
 	}
 }
 
@@ -286,9 +210,9 @@ func TestCancelledWaitersLeaveNothing(t *testing.T) {
 // for is released to them, many times: whichever wins, a waiter that
 // returns an error holds nothing, in this process or in Redis.
 func TestCancelAtGrantNeverHolds(t *testing.T) {
-	e := newEnv(t)
-	s := e.sem(t, 1, lease.WithTTL(time.Minute))
-	other := e.sem(t, 1, lease.WithTTL(time.Minute))
+	e := leasetest.NewEnv(t)
+	s := e.Sem(t, 1, lease.WithTTL(time.Minute))
+	other := e.Sem(t, 1, lease.WithTTL(time.Minute))
 	ctx := context.Background()
 	granted, cancelled := 0, 0
 	for i := range 40 {
@@ -300,13 +224,13 @@ func TestCancelAtGrantNeverHolds(t *testing.T) {
 			l, _ := other.Acquire(wctx, "k")
 			got <- l
 		}()
-		waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 1 })
+		leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 1 })
 		// Release and cancel at once, staggered by a few microseconds
 		// either way.
 		go func() { time.Sleep(time.Duration(i%5) * 50 * time.Microsecond); cancel() }()
 		require.NoError(t, held.Release(ctx))
 		l := <-got
-		holders, err := e.rdb.ZCard(ctx, e.key("k", "h")).Result()
+		holders, err := e.Rdb.ZCard(ctx, e.Key("k", "h")).Result()
 		require.NoError(t, err)
 		if l != nil {
 			granted++
@@ -322,22 +246,22 @@ func TestCancelAtGrantNeverHolds(t *testing.T) {
 		}
 	}
 	t.Logf("%d granted, %d cancelled", granted, cancelled)
-	left := e.keysBut(t, "k", time.Minute)
+	left := e.KeysBut(t, "k", time.Minute)
 	if len(left) != 1 {
 		t.Errorf("keys left: %q, want only the token counter", left)
 	}
 }
 
 func TestLapsedLeaseIsLost(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ttl := 300 * time.Millisecond
-	s := e.sem(t, 1, lease.WithTTL(ttl))
+	s := e.Sem(t, 1, lease.WithTTL(ttl))
 	ctx := context.Background()
 	l, err := s.Acquire(ctx, "k")
 	require.NoError(t, err)
 	// As if the lease had lapsed while its process stalled: the holder is
 	// gone from Redis.
-	require.NoError(t, e.rdb.Del(ctx, e.key("k", "h")).Err())
+	require.NoError(t, e.Rdb.Del(ctx, e.Key("k", "h")).Err())
 	select {
 	case <-l.Lost():
 	case <-time.After(20 * time.Second):
@@ -349,18 +273,18 @@ func TestLapsedLeaseIsLost(t *testing.T) {
 }
 
 func TestExtendedPastTTL(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ttl := time.Second
-	s := e.sem(t, 1, lease.WithTTL(ttl))
+	s := e.Sem(t, 1, lease.WithTTL(ttl))
 	ctx := context.Background()
 	l, err := s.Acquire(ctx, "k")
 	require.NoError(t, err)
-	start, err := e.rdb.Time(ctx).Result()
+	start, err := e.Rdb.Time(ctx).Result()
 	require.NoError(t, err)
 	// Hold it for three TTLs on the Redis clock: extended every TTL/3, it
 	// must not lapse.
 	for {
-		now, err := e.rdb.Time(ctx).Result()
+		now, err := e.Rdb.Time(ctx).Result()
 		require.NoError(t, err)
 		if now.Sub(start) > 3*ttl {
 			break
@@ -379,19 +303,19 @@ func TestExtendedPastTTL(t *testing.T) {
 }
 
 func TestClosedSemaphore(t *testing.T) {
-	e := newEnv(t)
-	s, err := lease.New(e.eng, "partner", 1)
+	e := leasetest.NewEnv(t)
+	s, err := lease.New(e.Eng, "partner", 1)
 	require.NoError(t, err)
 	ctx := context.Background()
 	held, err := s.Acquire(ctx, "k")
 	require.NoError(t, err)
 	waiting := make(chan error, 1)
-	other := e.sem(t, 1)
+	other := e.Sem(t, 1)
 	otherHeld, err := other.Acquire(ctx, "k2")
 	require.NoError(t, err)
 	_ = otherHeld
 	go func() { _, err := s.Acquire(ctx, "k2"); waiting <- err }()
-	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k2", "q")).Result(); return n == 1 })
+	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k2", "q")).Result(); return n == 1 })
 	require.NoError(t, s.Close(ctx))
 	if err := <-waiting; !errors.Is(err, lease.ErrClosed) {
 		t.Errorf("waiter at Close: got %v, want ErrClosed", err)
@@ -399,7 +323,7 @@ func TestClosedSemaphore(t *testing.T) {
 	if _, err := s.Acquire(ctx, "k"); !errors.Is(err, lease.ErrClosed) {
 		t.Errorf("Acquire after Close: got %v, want ErrClosed", err)
 	}
-	if n, _ := e.rdb.ZCard(ctx, e.key("k", "h")).Result(); n != 0 {
+	if n, _ := e.Rdb.ZCard(ctx, e.Key("k", "h")).Result(); n != 0 {
 		t.Errorf("Close left %d holders of its own, want 0", n)
 	}
 	require.NoError(t, held.Release(ctx), "released by Close already: a no-op")
@@ -423,9 +347,9 @@ type scripterOnly struct{ redis.Scripter }
 // TestPollCoversLostWakeUps runs a waiter whose process reads no wake-up
 // at all: the fallback poll alone must find its grant.
 func TestPollCoversLostWakeUps(t *testing.T) {
-	e := newEnv(t)
-	s := e.sem(t, 1, lease.WithTTL(time.Minute))
-	deaf, err := throttle.New(scripterOnly{e.rdb}, throttle.WithPrefix(e.prefix), throttle.WithTimeout(0))
+	e := leasetest.NewEnv(t)
+	s := e.Sem(t, 1, lease.WithTTL(time.Minute))
+	deaf, err := throttle.New(scripterOnly{e.Rdb}, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(0))
 	require.NoError(t, err)
 	w, err := lease.New(deaf, "partner", 1, lease.WithTTL(time.Minute), lease.WithPollInterval(100*time.Millisecond))
 	require.NoError(t, err)
@@ -443,11 +367,11 @@ func TestPollCoversLostWakeUps(t *testing.T) {
 		}
 		got <- err
 	}()
-	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 1 })
+	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 1 })
 	require.NoError(t, held.Release(ctx))
 	require.NoError(t, <-got, "the poll never found the grant")
 	// The wake-up pushed for it was never read: it lapses with its list.
-	if n, _ := e.rdb.ZCard(ctx, e.key("k", "h")).Result(); n != 0 {
+	if n, _ := e.Rdb.ZCard(ctx, e.Key("k", "h")).Result(); n != 0 {
 		t.Errorf("%d holders left, want 0", n)
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -61,25 +62,25 @@ func (o *overtaken) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pr
 func TestAcquireOvertakenByItsLeave(t *testing.T) {
 	for _, ring := range []bool{false, true} {
 		t.Run(map[bool]string{false: "node", true: "ring"}[ring], func(t *testing.T) {
-			e := newEnv(t)
+			e := leasetest.NewEnv(t)
 			ctx := context.Background()
-			o := &overtaken{mark: "wait", late: e.srv.Client(t), delay: 200 * time.Millisecond, arrived: make(chan struct{})}
+			o := &overtaken{mark: "wait", late: e.Srv.Client(t), delay: 200 * time.Millisecond, arrived: make(chan struct{})}
 			var rdb redis.UniversalClient
 			if ring {
-				r := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": e.srv.Addr}, ContextTimeoutEnabled: true})
+				r := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": e.Srv.Addr}, ContextTimeoutEnabled: true})
 				t.Cleanup(func() { _ = r.Close() })
 				r.AddHook(o)
 				rdb = r
 			} else {
-				c := e.srv.Client(t)
+				c := e.Srv.Client(t)
 				c.AddHook(o)
 				rdb = c
 			}
-			engA, err := throttle.New(rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second))
+			engA, err := throttle.New(rdb, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(5*time.Second))
 			require.NoError(t, err)
 			const ttl = 30 * time.Second
-			a := rvSem(t, engA, 1, lease.WithTTL(ttl))
-			b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+			a := leasetest.SemOn(t, engA, 1, lease.WithTTL(ttl))
+			b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 			held, err := b.Acquire(ctx, "k")
 			require.NoError(t, err)
 
@@ -93,8 +94,8 @@ func TestAcquireOvertakenByItsLeave(t *testing.T) {
 
 			require.NoError(t, held.Release(ctx))
 			time.Sleep(100 * time.Millisecond) // A's keeper, if it had a waiter, would have polled
-			hs := e.rdb.ZRange(ctx, e.key("k", "h"), 0, -1).Val()
-			qs := e.rdb.ZRange(ctx, e.key("k", "q"), 0, -1).Val()
+			hs := e.Rdb.ZRange(ctx, e.Key("k", "h"), 0, -1).Val()
+			qs := e.Rdb.ZRange(ctx, e.Key("k", "q"), 0, -1).Val()
 			require.Empty(t, hs, "holders of k, which nobody holds or waits for (queue %v)", qs)
 			require.Empty(t, qs, "queue of k")
 			// And k is free for the next caller at once.

@@ -15,24 +15,25 @@ import (
 
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 	"github.com/slotbook/slotbook/throttle"
 )
 
 // redisLeft returns, for each lease of subject standing in Redis, its
 // fencing token and how long Redis still holds it (its expiry in the
 // holders set less Redis's TIME).
-func (e *env) redisLeft(ctx context.Context, subject string) (map[int64]time.Duration, error) {
-	toks, err := e.rdb.HGetAll(ctx, e.key(subject, "t")).Result()
+func redisLeft(ctx context.Context, e *leasetest.Env, subject string) (map[int64]time.Duration, error) {
+	toks, err := e.Rdb.HGetAll(ctx, e.Key(subject, "t")).Result()
 	if err != nil {
 		return nil, err
 	}
-	now, err := e.rdb.Time(ctx).Result()
+	now, err := e.Rdb.Time(ctx).Result()
 	if err != nil {
 		return nil, err
 	}
 	left := make(map[int64]time.Duration, len(toks))
 	for id, tok := range toks {
-		exp, err := e.rdb.ZScore(ctx, e.key(subject, "h"), id).Result()
+		exp, err := e.Rdb.ZScore(ctx, e.Key(subject, "h"), id).Result()
 		if errors.Is(err, redis.Nil) {
 			continue
 		}
@@ -57,12 +58,12 @@ func (e *env) redisLeft(ctx context.Context, subject string) (map[int64]time.Dur
 // holders set less Redis's TIME, read when the lease is given up; a
 // lease Acquire gave up is found by its token, which no caller held.
 func TestSmallPoolNoFalseLost(t *testing.T) {
-	e := newEnv(t)
-	opts := e.srv.Options()
+	e := leasetest.NewEnv(t)
+	opts := e.Srv.Options()
 	opts.PoolSize = 3
 	rdb := redis.NewClient(opts)
 	t.Cleanup(func() { _ = rdb.Close() })
-	eng, err := throttle.New(rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(time.Second))
+	eng, err := throttle.New(rdb, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(time.Second))
 	require.NoError(t, err)
 	const ttl = 3 * time.Second
 	s, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl))
@@ -96,7 +97,7 @@ func TestSmallPoolNoFalseLost(t *testing.T) {
 					l, err := s.Acquire(actx, key)
 					cancel()
 					if errors.Is(err, lease.ErrLost) {
-						left, rerr := e.redisLeft(ctx, key)
+						left, rerr := redisLeft(ctx, e, key)
 						mu.Lock()
 						for tok, d := range left {
 							seen[key][tok] = max(seen[key][tok], d)
@@ -119,7 +120,7 @@ func TestSmallPoolNoFalseLost(t *testing.T) {
 					mu.Unlock()
 					select {
 					case <-l.Lost():
-						left, rerr := e.redisLeft(ctx, key)
+						left, rerr := redisLeft(ctx, e, key)
 						mu.Lock()
 						if rerr != nil {
 							errs = append(errs, rerr)
@@ -167,7 +168,7 @@ func TestGrantInReplyCountsFromItsCall(t *testing.T) {
 	const prefix = "reply:"
 	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(10*time.Second))
 	require.NoError(t, err)
-	e := &env{srv: srv, rdb: srv.Client(t), prefix: prefix}
+	e := &leasetest.Env{Srv: srv, Rdb: srv.Client(t), Prefix: prefix}
 	const ttl = 6 * time.Second
 	s, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(ttl/3))
 	require.NoError(t, err)
@@ -186,7 +187,7 @@ func TestGrantInReplyCountsFromItsCall(t *testing.T) {
 		l, err := s.Acquire(ctx, "k")
 		got <- result{l, err}
 	}()
-	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 1 })
+	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 1 })
 	// The waiter's first refresh comes a poll interval (2 s) after the
 	// room was made; pause before it, and past the waiter's TTL. A machine
 	// too busy to queue the waiter by then has missed the scene.
@@ -196,7 +197,7 @@ func TestGrantInReplyCountsFromItsCall(t *testing.T) {
 	}
 	time.Sleep(before)
 	pause := ttl - ttl/3 + ttl/4
-	require.NoError(t, e.rdb.Do(ctx, "client", "pause", pause.Milliseconds(), "all").Err())
+	require.NoError(t, e.Rdb.Do(ctx, "client", "pause", pause.Milliseconds(), "all").Err())
 	released := make(chan error, 1)
 	go func() { released <- h.Release(ctx) }()
 
@@ -207,7 +208,7 @@ func TestGrantInReplyCountsFromItsCall(t *testing.T) {
 	if err := <-released; err != nil {
 		require.ErrorIs(t, err, lease.ErrLost)
 	}
-	left, err := e.redisLeft(ctx, "k")
+	left, err := redisLeft(ctx, e, "k")
 	require.NoError(t, err)
 	require.Greater(t, left[r.l.Token()], ttl/2, "the lease's time left in Redis")
 	select {
@@ -227,23 +228,23 @@ type acquired struct {
 // queueAThenB has b take key k's one lease, then a waiter of a's and one
 // of b's join k's queue, in that order; their answers come on gotA and
 // gotB.
-func queueAThenB(t *testing.T, e *env, ctx context.Context, a, b *lease.Semaphore) (l1 *lease.Lease, gotA, gotB chan acquired) {
+func queueAThenB(t *testing.T, e *leasetest.Env, ctx context.Context, a, b *lease.Semaphore) (l1 *lease.Lease, gotA, gotB chan acquired) {
 	t.Helper()
 	l1, err := b.Acquire(ctx, "k")
 	require.NoError(t, err)
 	gotA, gotB = make(chan acquired, 1), make(chan acquired, 1)
 	go func() { l, err := a.Acquire(ctx, "k"); gotA <- acquired{l, err} }()
-	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 1 })
+	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 1 })
 	go func() { l, err := b.Acquire(ctx, "k"); gotB <- acquired{l, err} }()
-	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 2 })
+	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 2 })
 	return l1, gotA, gotB
 }
 
 // releaseHeld checks that Redis holds l (found by its token), and
 // releases it.
-func releaseHeld(t *testing.T, e *env, ctx context.Context, l *lease.Lease) {
+func releaseHeld(t *testing.T, e *leasetest.Env, ctx context.Context, l *lease.Lease) {
 	t.Helper()
-	left, err := e.redisLeft(ctx, l.Key())
+	left, err := redisLeft(ctx, e, l.Key())
 	require.NoError(t, err)
 	_, held := left[l.Token()]
 	require.True(t, held, "A was handed lease %d, which Redis does not hold (it holds %v)", l.Token(), left)
@@ -272,34 +273,34 @@ func TestStaleWakeUpNotDelivered(t *testing.T) {
 }
 
 func testStaleWakeUpNotDelivered(t *testing.T, ring bool) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	// armed runs once, right after a keep call of A's has had its reply,
 	// before A's keeper sees it: a keep call whose reply is slow.
 	var armed atomic.Pointer[func()]
-	hook := rvHook{after: func(cmd redis.Cmder, _ time.Duration) {
-		if f := armed.Load(); f != nil && rvIsKeep(cmd) && armed.CompareAndSwap(f, nil) {
+	hook := leasetest.Hook{After: func(cmd redis.Cmder, _ time.Duration) {
+		if f := armed.Load(); f != nil && leasetest.IsKeep(cmd) && armed.CompareAndSwap(f, nil) {
 			(*f)()
 		}
 	}}
 	var rdbA redis.UniversalClient
 	if ring {
-		r := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": e.srv.Addr}, ContextTimeoutEnabled: true})
+		r := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": e.Srv.Addr}, ContextTimeoutEnabled: true})
 		t.Cleanup(func() { _ = r.Close() })
 		r.AddHook(hook)
 		rdbA = r
 	} else {
-		c := e.srv.Client(t)
+		c := e.Srv.Client(t)
 		c.AddHook(hook)
 		rdbA = c
 	}
-	engA, err := throttle.New(rdbA, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second))
+	engA, err := throttle.New(rdbA, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(5*time.Second))
 	require.NoError(t, err)
 	const ttl = time.Second
 	opts := []lease.Option{lease.WithTTL(ttl), lease.WithPollInterval(100 * time.Millisecond)}
 	a, err := lease.New(engA, "partner", 1, opts...)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = a.Close(context.Background()) })
-	b := e.sem(t, 1, opts...)
+	b := e.Sem(t, 1, opts...)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 
@@ -335,7 +336,7 @@ func testStaleWakeUpNotDelivered(t *testing.T, ring bool) {
 	select {
 	case r := <-gotA:
 		if r.err == nil {
-			left, _ := e.redisLeft(ctx, "k")
+			left, _ := redisLeft(ctx, e, "k")
 			t.Fatalf("A was handed lease %d while B holds %d (Redis holds %v)", r.l.Token(), bHeld.Token(), left)
 		}
 		t.Logf("A: %v", r.err)

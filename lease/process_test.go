@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 )
 
 // proc is a child process of the test (see child in main_test.go).
@@ -36,11 +37,11 @@ func (p *proc) wait() error {
 }
 
 // spawn starts this test binary again as a child in mode.
-func (e *env) spawn(t *testing.T, mode, key string, n int, ttl time.Duration, extra ...string) *proc {
+func spawn(t *testing.T, e *leasetest.Env, mode, key string, n int, ttl time.Duration, extra ...string) *proc {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(),
-		"LEASE_CHILD="+mode, "LEASE_ADDR="+e.srv.Addr, "LEASE_PREFIX="+e.prefix,
+		"LEASE_CHILD="+mode, "LEASE_ADDR="+e.Srv.Addr, "LEASE_PREFIX="+e.Prefix,
 		"LEASE_KEY="+key, "LEASE_N="+strconv.Itoa(n), "LEASE_TTL="+ttl.String())
 	cmd.Env = append(cmd.Env, extra...)
 	cmd.Stderr = os.Stderr
@@ -94,14 +95,14 @@ func TestAtMostNAcrossProcesses(t *testing.T) {
 	if testing.Short() {
 		t.Skip("multi-process run of several seconds")
 	}
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	const procs, workers, n = 8, 25, 5
 	// A TTL far beyond any stall of a busy machine: this test is about
 	// the limit, not about lapses (a lapse would be reported as "lost").
 	ttl := 30 * time.Second
 	var ps []*proc
 	for range procs {
-		ps = append(ps, e.spawn(t, "stress", "shared", n, ttl,
+		ps = append(ps, spawn(t, e, "stress", "shared", n, ttl,
 			"LEASE_WORKERS="+strconv.Itoa(workers), "LEASE_RUN=6s"))
 	}
 	type event struct {
@@ -166,10 +167,10 @@ func TestAtMostNAcrossProcesses(t *testing.T) {
 // a key and judges, on the Redis clock, when the waiters of another
 // process get them: no later than the TTL after the kill plus a second.
 func TestKilledHolderFreesWithinTTL(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	const n = 3
 	ttl := 2 * time.Second
-	holder := e.spawn(t, "hold", "k", n, ttl)
+	holder := spawn(t, e, "hold", "k", n, ttl)
 	holder.expect(t, "held")
 
 	obs := &countingObserver{}
@@ -177,7 +178,7 @@ func TestKilledHolderFreesWithinTTL(t *testing.T) {
 	// minus the TTL, is the moment they were granted (no extension comes
 	// before the test reads them). Its poll is the default's bound or less.
 	long := time.Minute
-	s := e.sem(t, n, lease.WithTTL(long), lease.WithPollInterval(250*time.Millisecond), lease.WithObserver(obs))
+	s := e.Sem(t, n, lease.WithTTL(long), lease.WithPollInterval(250*time.Millisecond), lease.WithObserver(obs))
 	ctx := context.Background()
 	got := make(chan *lease.Lease, n)
 	for range n {
@@ -189,11 +190,11 @@ func TestKilledHolderFreesWithinTTL(t *testing.T) {
 			got <- l
 		}()
 	}
-	waitFor(t, func() bool { c, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return c == n })
+	leasetest.WaitFor(t, func() bool { c, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return c == n })
 
 	require.NoError(t, holder.cmd.Process.Signal(syscall.SIGKILL))
 	_ = holder.wait()
-	killed, err := e.rdb.Time(ctx).Result()
+	killed, err := e.Rdb.Time(ctx).Result()
 	require.NoError(t, err)
 
 	var leases []*lease.Lease
@@ -206,7 +207,7 @@ func TestKilledHolderFreesWithinTTL(t *testing.T) {
 			t.Fatalf("the killed holder's leases never came back (%d of %d)", len(leases), n)
 		}
 	}
-	scores, err := e.rdb.ZRangeWithScores(ctx, e.key("k", "h"), 0, -1).Result()
+	scores, err := e.Rdb.ZRangeWithScores(ctx, e.Key("k", "h"), 0, -1).Result()
 	require.NoError(t, err)
 	require.Len(t, scores, n)
 	var granted time.Time
@@ -234,21 +235,21 @@ func TestKilledHolderFreesWithinTTL(t *testing.T) {
 // of N = 1, then releases it: they must be granted in arrival order, which
 // their fencing tokens (one counter, incremented at each grant) show.
 func TestFIFOAcrossProcesses(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ttl := 30 * time.Second
-	s := e.sem(t, 1, lease.WithTTL(ttl))
+	s := e.Sem(t, 1, lease.WithTTL(ttl))
 	ctx := context.Background()
 	held, err := s.Acquire(ctx, "k")
 	require.NoError(t, err)
 	const procs, waiters = 4, 12
 	var ps []*proc
 	for range procs {
-		ps = append(ps, e.spawn(t, "fifo", "k", 1, ttl))
+		ps = append(ps, spawn(t, e, "fifo", "k", 1, ttl))
 	}
 	for i := range waiters {
 		_, err := fmt.Fprintf(ps[i%procs].stdin, "go w%02d\n", i)
 		require.NoError(t, err)
-		waitFor(t, func() bool { c, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return c == int64(i+1) })
+		leasetest.WaitFor(t, func() bool { c, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return c == int64(i+1) })
 	}
 	require.NoError(t, held.Release(ctx))
 	type grant struct {

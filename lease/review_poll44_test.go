@@ -21,6 +21,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -62,14 +63,14 @@ func (h *p44Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 			cmd.SetErr(redis.Nil)
 			return redis.Nil
 		}
-		_, keys := rvScriptArgs(cmd)
+		_, keys := leasetest.ScriptArgs(cmd)
 		if len(keys) > 0 && strings.Contains(keys[0], "{trip}") && h.trip.CompareAndSwap(true, false) {
 			_ = next(ctx, cmd)
 			err := &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}
 			cmd.SetErr(err)
 			return err
 		}
-		if !rvIsKeep(cmd) {
+		if !leasetest.IsKeep(cmd) {
 			return next(ctx, cmd)
 		}
 		if h.slowArm.CompareAndSwap(true, false) {
@@ -97,13 +98,13 @@ func (h *p44Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 // that Redis holds: each waiter is served within half a poll of the
 // probe's own (the control, in the same run).
 func TestReviewPoll44BreakerProbeCostsAPoll(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const n, poll, ttl = 6, 2 * time.Second, 30 * time.Second
 	h := &p44Hook{slow: 300 * time.Millisecond, base: time.Now()}
-	engA := rvDirect(t, e, 5*time.Second, h)
-	a := rvSem(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+	engA := leasetest.Direct(t, e, 5*time.Second, h)
+	a := leasetest.SemOn(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 	require.NoError(t, a.Load(ctx))
 	keys := make([]string, n)
 	held := make([]*lease.Lease, n)
@@ -129,7 +130,7 @@ func TestReviewPoll44BreakerProbeCostsAPoll(t *testing.T) {
 		}()
 	}
 	for _, k := range keys {
-		rwQueued(t, e, k, 1)
+		e.Queued(t, k, 1)
 	}
 	for _, l := range held {
 		require.NoError(t, l.Release(ctx))
@@ -169,6 +170,6 @@ func TestReviewPoll44BreakerProbeCostsAPoll(t *testing.T) {
 	}
 	require.NoError(t, a.Close(ctx))
 	require.NoError(t, b.Close(ctx))
-	rtNoGhosts(t, e, keys)
-	rvSettled(t, 2*time.Second)
+	e.NoGhosts(t, keys)
+	leasetest.Settled(t, 2*time.Second)
 }

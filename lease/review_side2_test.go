@@ -26,6 +26,7 @@ import (
 
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -61,9 +62,9 @@ type rv2Gaps struct {
 	ones atomic.Int64
 }
 
-func (g *rv2Gaps) hook() rvHook {
-	return rvHook{before: func(cmd redis.Cmder) {
-		argv, _ := rvScriptArgs(cmd)
+func (g *rv2Gaps) hook() leasetest.Hook {
+	return leasetest.Hook{Before: func(cmd redis.Cmder) {
+		argv, _ := leasetest.ScriptArgs(cmd)
 		if len(argv) < 4 {
 			return
 		}
@@ -101,10 +102,10 @@ type rv2Stats struct {
 // holds it. Under load (starved), a grant may come back after its TTL
 // has run out, which Acquire reports as ErrLost: counted in lateGrants,
 // not failed.
-func rv2QueuePhase(t *testing.T, e *env, key string, aEng, bEng *throttle.Engine, bel *rvBelieved, ttl, run time.Duration, load bool) rv2Stats {
+func rv2QueuePhase(t *testing.T, e *leasetest.Env, key string, aEng, bEng *throttle.Engine, bel *rvBelieved, ttl, run time.Duration, load bool) rv2Stats {
 	ctx := context.Background()
-	a := rvSem(t, aEng, 2, lease.WithTTL(ttl))
-	b := rvSem(t, bEng, 2, lease.WithTTL(ttl))
+	a := leasetest.SemOn(t, aEng, 2, lease.WithTTL(ttl))
+	b := leasetest.SemOn(t, bEng, 2, lease.WithTTL(ttl))
 	require.NoError(t, a.Load(ctx))
 	require.NoError(t, b.Load(ctx))
 	var mu sync.Mutex
@@ -143,7 +144,7 @@ func rv2QueuePhase(t *testing.T, e *env, key string, aEng, bEng *throttle.Engine
 						return
 					case <-l.Lost():
 					}
-					seen := rvLook(ctx, e.rdb, e, key, l.Token())
+					seen := leasetest.Look(ctx, e.Rdb, e, key, l.Token())
 					age := time.Since(got)
 					// The holder stops at once and releases (ErrLost
 					// expected); the slot should be free in Redis soon.
@@ -154,11 +155,11 @@ func rv2QueuePhase(t *testing.T, e *env, key string, aEng, bEng *throttle.Engine
 						rerr = l.Release(ctx)
 					}
 					var freedIn time.Duration = -1
-					if seen.held {
-						tm0, _ := e.rdb.Time(ctx).Result()
+					if seen.Held {
+						tm0, _ := e.Rdb.Time(ctx).Result()
 						for i := 0; i < 200; i++ {
-							if s2 := rvLook(ctx, e.rdb, e, key, l.Token()); !s2.held {
-								tm1, _ := e.rdb.Time(ctx).Result()
+							if s2 := leasetest.Look(ctx, e.Rdb, e, key, l.Token()); !s2.Held {
+								tm1, _ := e.Rdb.Time(ctx).Result()
 								freedIn = tm1.Sub(tm0)
 								break
 							}
@@ -175,15 +176,15 @@ func rv2QueuePhase(t *testing.T, e *env, key string, aEng, bEng *throttle.Engine
 						st.lostReleaseOK++
 					}
 					switch {
-					case seen.held && seen.margin() > 0:
+					case seen.Held && seen.Margin() > 0:
 						st.spurious++
-						st.margins = append(st.margins, seen.margin())
+						st.margins = append(st.margins, seen.Margin())
 						st.freed = append(st.freed, freedIn)
-						st.pairs = append(st.pairs, fmt.Sprintf("%v/%v", seen.margin().Round(time.Millisecond), freedIn.Round(time.Millisecond)))
-						if freedIn < 0 || freedIn > seen.margin() {
+						st.pairs = append(st.pairs, fmt.Sprintf("%v/%v", seen.Margin().Round(time.Millisecond), freedIn.Round(time.Millisecond)))
+						if freedIn < 0 || freedIn > seen.Margin() {
 							st.late++
 						}
-					case !seen.held:
+					case !seen.Held:
 						st.gone++
 					}
 				}()
@@ -253,12 +254,12 @@ func TestReviewLease2SpuriousLostQueueGrants(t *testing.T) {
 		{"latency40ms+cpuload", 40 * time.Millisecond, true},
 	} {
 		t.Run(ph.name, func(t *testing.T) {
-			e := newEnv(t)
-			bel := &rvBelieved{held: map[int64]*lease.Lease{}, rdb: e.rdb}
+			e := leasetest.NewEnv(t)
+			bel := &rvBelieved{held: map[int64]*lease.Lease{}, rdb: e.Rdb}
 			gaps := &rv2Gaps{}
-			p, aEng := rvProxied(t, e, 2*time.Second, nil, bel.hook(), gaps.hook())
+			p, aEng := leasetest.Proxied(t, e, 2*time.Second, nil, bel.hook(), gaps.hook())
 			p.SetLatency(ph.latency)
-			bEng := rvDirect(t, e, 2*time.Second, bel.hook())
+			bEng := leasetest.Direct(t, e, 2*time.Second, bel.hook())
 			if ph.load {
 				stop := rv2Burn(2 * runtime.NumCPU())
 				defer stop()
@@ -281,14 +282,14 @@ func TestReviewLease2SpuriousLostQueueGrants(t *testing.T) {
 				t.Errorf("Release after Lost returned nil %d times (want ErrLost)", st.lostReleaseOK)
 			}
 			ctx := context.Background()
-			h, _ := e.rdb.ZCard(ctx, e.key("k", "h")).Result()
-			q, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result()
+			h, _ := e.Rdb.ZCard(ctx, e.Key("k", "h")).Result()
+			q, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result()
 			if h+q != 0 {
 				t.Errorf("after both Semaphores closed: %d holders, %d queued in Redis", h, q)
 			}
 		})
 	}
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 }
 
 // --- 2. Long holds with waiters present: extension cycle vs deadline ----
@@ -300,10 +301,10 @@ func TestReviewLease2LongHoldWithWaiters(t *testing.T) {
 	const ttl = 1500 * time.Millisecond // as in TestReviewLease2SpuriousLostQueueGrants
 	for _, lat := range []time.Duration{0, 40 * time.Millisecond, 45 * time.Millisecond} {
 		t.Run(fmt.Sprintf("latency=%v", lat), func(t *testing.T) {
-			e := newEnv(t)
+			e := leasetest.NewEnv(t)
 			ctx := context.Background()
-			p, aEng := rvProxied(t, e, 2*time.Second, nil)
-			a := rvSem(t, aEng, 1, lease.WithTTL(ttl))
+			p, aEng := leasetest.Proxied(t, e, 2*time.Second, nil)
+			a := leasetest.SemOn(t, aEng, 1, lease.WithTTL(ttl))
 			require.NoError(t, a.Load(ctx))
 			p.SetLatency(lat)
 			var lostN, rounds, extended int
@@ -311,7 +312,7 @@ func TestReviewLease2LongHoldWithWaiters(t *testing.T) {
 			var bl []time.Duration // BLPOP with a 20 ms timeout, direct: how long Redis takes to time it out
 			for range 5 {
 				t1 := time.Now()
-				_ = e.rdb.Do(ctx, "blpop", e.prefix+"rv2:empty", "0.020").Err()
+				_ = e.Rdb.Do(ctx, "blpop", e.Prefix+"rv2:empty", "0.020").Err()
 				bl = append(bl, time.Since(t1).Round(time.Millisecond))
 			}
 			t.Logf("BLPOP 0.020 on an empty list took %v", bl)
@@ -330,11 +331,11 @@ func TestReviewLease2LongHoldWithWaiters(t *testing.T) {
 				select {
 				case <-l.Lost():
 					lostN++
-					m0 := rvLook(ctx, e.rdb, e, "k", l.Token())
+					m0 := leasetest.Look(ctx, e.Rdb, e, "k", l.Token())
 					time.Sleep(lat + 5*time.Millisecond)
-					m1 := rvLook(ctx, e.rdb, e, "k", l.Token())
-					ext := m1.held && m1.margin() > m0.margin() // the keep call out at Lost extended it
-					margins = append(margins, m0.margin().Round(time.Millisecond))
+					m1 := leasetest.Look(ctx, e.Rdb, e, "k", l.Token())
+					ext := m1.Held && m1.Margin() > m0.Margin() // the keep call out at Lost extended it
+					margins = append(margins, m0.Margin().Round(time.Millisecond))
 					if ext {
 						extended++
 					}
@@ -351,24 +352,24 @@ func TestReviewLease2LongHoldWithWaiters(t *testing.T) {
 			require.NoError(t, a.Close(ctx))
 		})
 	}
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 }
 
 // --- 3. At most N believed holders, severed connections, CPU load -------
 
 func TestReviewLease2OverlapSevered(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const n = 2
 	ttl := 300 * time.Millisecond
-	bel := &rvBelieved{held: map[int64]*lease.Lease{}, rdb: e.rdb}
-	p, aEng := rvProxied(t, e, 200*time.Millisecond, nil, bel.hook())
+	bel := &rvBelieved{held: map[int64]*lease.Lease{}, rdb: e.Rdb}
+	p, aEng := leasetest.Proxied(t, e, 200*time.Millisecond, nil, bel.hook())
 	p.SetLatency(5 * time.Millisecond)
-	bEng := rvDirect(t, e, 2*time.Second, bel.hook())
+	bEng := leasetest.Direct(t, e, 2*time.Second, bel.hook())
 	sems := []*lease.Semaphore{
-		rvSem(t, aEng, n, lease.WithTTL(ttl)),
-		rvSem(t, bEng, n, lease.WithTTL(ttl)),
-		rvSem(t, bEng, n, lease.WithTTL(ttl), lease.WithPollInterval(20*time.Millisecond)),
+		leasetest.SemOn(t, aEng, n, lease.WithTTL(ttl)),
+		leasetest.SemOn(t, bEng, n, lease.WithTTL(ttl)),
+		leasetest.SemOn(t, bEng, n, lease.WithTTL(ttl), lease.WithPollInterval(20*time.Millisecond)),
 	}
 	base := time.Now()
 	run := 5 * time.Second
@@ -469,15 +470,15 @@ func TestReviewLease2OverlapSevered(t *testing.T) {
 	if v := bel.viols.Load(); v > 0 {
 		t.Errorf("%d leave/release calls for a lease still believed held; first: %v", v, bel.first.Load())
 	}
-	waitFor(t, func() bool {
-		h, _ := e.rdb.ZCard(ctx, e.key("k", "h")).Result()
-		q, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result()
+	leasetest.WaitFor(t, func() bool {
+		h, _ := e.Rdb.ZCard(ctx, e.Key("k", "h")).Result()
+		q, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result()
 		return h+q == 0
 	})
 	for _, s := range sems {
 		require.NoError(t, s.Close(ctx))
 	}
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 }
 
 // --- 4. Redis away: no spin, Close within its ctx, nothing left ----------
@@ -488,7 +489,7 @@ func TestReviewLease2RedisAway(t *testing.T) {
 			srv := redistest.Start(t)
 			var scripts, blpops atomic.Int64
 			c := srv.Client(t)
-			c.AddHook(rvHook{before: func(cmd redis.Cmder) {
+			c.AddHook(leasetest.Hook{Before: func(cmd redis.Cmder) {
 				switch cmd.Name() {
 				case "evalsha", "eval":
 					scripts.Add(1)
@@ -561,7 +562,7 @@ func TestReviewLease2RedisAway(t *testing.T) {
 			if how == "paused" {
 				_ = syscall.Kill(srv.Pid(), syscall.SIGCONT)
 			}
-			rvSettled(t, 5*time.Second)
+			leasetest.Settled(t, 5*time.Second)
 		})
 	}
 }
@@ -573,14 +574,14 @@ func TestReviewLease2RedisAway(t *testing.T) {
 // keep call goes out and puts them back in the queue. Outside Close the
 // keeper sends their leave calls again; after Close it does not.
 func TestReviewLease2CloseDuringKeepCall(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	ttl := 3 * time.Second
 	var armed atomic.Bool
 	caught, resume := make(chan struct{}), make(chan struct{})
-	c := e.srv.Client(t)
-	c.AddHook(rvHook{before: func(cmd redis.Cmder) {
-		argv, _ := rvScriptArgs(cmd)
+	c := e.Srv.Client(t)
+	c.AddHook(leasetest.Hook{Before: func(cmd redis.Cmder) {
+		argv, _ := leasetest.ScriptArgs(cmd)
 		if len(argv) < 4 {
 			return
 		}
@@ -591,18 +592,18 @@ func TestReviewLease2CloseDuringKeepCall(t *testing.T) {
 		close(caught)
 		<-resume
 	}})
-	eng, err := throttle.New(c, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second))
+	eng, err := throttle.New(c, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(5*time.Second))
 	require.NoError(t, err)
 	s, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(50*time.Millisecond))
 	require.NoError(t, err)
-	other := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+	other := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 	first, err := other.Acquire(ctx, "k")
 	require.NoError(t, err)
 	errs := make(chan error, 2)
 	for range 2 {
 		go func() { _, err := s.Acquire(ctx, "k"); errs <- err }()
 	}
-	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 2 })
+	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 2 })
 	armed.Store(true)
 	select {
 	case <-caught:
@@ -618,18 +619,18 @@ func TestReviewLease2CloseDuringKeepCall(t *testing.T) {
 	for range 2 {
 		require.ErrorIs(t, <-errs, lease.ErrClosed)
 	}
-	q0, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result()
+	q0, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result()
 	close(resume)
 	require.NoError(t, <-closed)
-	q1, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result()
+	q1, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result()
 	require.NoError(t, first.Release(ctx)) // grants the head of the queue, if any
 	time.Sleep(50 * time.Millisecond)
 	l, ok, err := other.TryAcquire(ctx, "k")
 	require.NoError(t, err)
 	t.Logf("queue after the waiters left: %d; after the held-back keep call and Close: %d; TryAcquire after the only holder released: %v", q0, q1, ok)
 	if !ok {
-		hs, _ := e.rdb.ZRangeWithScores(ctx, e.key("k", "h"), 0, -1).Result()
-		tm, _ := e.rdb.Time(ctx).Result()
+		hs, _ := e.Rdb.ZRangeWithScores(ctx, e.Key("k", "h"), 0, -1).Result()
+		tm, _ := e.Rdb.Time(ctx).Result()
 		for _, z := range hs {
 			t.Errorf("Semaphore closed, every waiter got ErrClosed, nobody holds k: yet %v, a waiter of the closed Semaphore requeued by its keep call, holds k for %v more (Redis clock)",
 				z.Member, time.UnixMicro(int64(z.Score)).Sub(tm).Round(time.Millisecond))
@@ -637,18 +638,18 @@ func TestReviewLease2CloseDuringKeepCall(t *testing.T) {
 	} else {
 		require.NoError(t, l.Release(ctx))
 	}
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 }
 
 // --- 6. Close gives held leases back without closing their Lost ----------
 
 func TestReviewLease2CloseLeavesLostOpen(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	ttl := 3 * time.Second
-	s, err := lease.New(e.eng, "partner", 1, lease.WithTTL(ttl))
+	s, err := lease.New(e.Eng, "partner", 1, lease.WithTTL(ttl))
 	require.NoError(t, err)
-	other := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+	other := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 	a, err := s.Acquire(ctx, "k")
 	require.NoError(t, err)
 	require.NoError(t, s.Close(ctx))
@@ -661,15 +662,15 @@ func TestReviewLease2CloseLeavesLostOpen(t *testing.T) {
 		t.Errorf("after Close, another process holds k (token %d) while the holder of token %d has no Release call and an open Lost: two believed holders, N=1", b.Token(), a.Token())
 	}
 	require.NoError(t, b.Release(ctx))
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 }
 
 // --- 7. TryAcquire and Acquire in flight as Close begins -----------------
 
 func TestReviewLease2TryAcquireStormAtClose(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
-	p, eng := rvProxied(t, e, 2*time.Second, nil)
+	p, eng := leasetest.Proxied(t, e, 2*time.Second, nil)
 	s, err := lease.New(eng, "partner", 4, lease.WithTTL(3*time.Second))
 	require.NoError(t, err)
 	require.NoError(t, s.Load(ctx))
@@ -717,12 +718,12 @@ func TestReviewLease2TryAcquireStormAtClose(t *testing.T) {
 	took := time.Since(t0)
 	cancel()
 	wg.Wait()
-	h, _ := e.rdb.ZCard(ctx, e.key("k", "h")).Result()
-	q, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result()
+	h, _ := e.Rdb.ZCard(ctx, e.Key("k", "h")).Result()
+	q, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result()
 	t.Logf("Close: %v after %v; %d callers got ErrClosed, %d other errors, %d grants handed out after Close began; Redis after Close: %d holders, %d queued", cerr, took.Round(time.Millisecond), closedErr.Load(), other.Load(), okAfter.Load(), h, q)
 	require.NoError(t, cerr)
 	if h+q != 0 {
 		t.Errorf("after Close returned: %d holders, %d queued left in Redis by the closed Semaphore", h, q)
 	}
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 }

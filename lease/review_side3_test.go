@@ -25,23 +25,12 @@ import (
 
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 	"github.com/slotbook/slotbook/throttle"
 )
 
-// --- helpers (copies of the earlier reviews', under rv3 names) -----------
-
-// rv3Now is Redis's TIME in µs.
-func rv3Now(rdb *redis.Client) int64 {
-	tm, err := rdb.Time(context.Background()).Result()
-	if err != nil {
-		return 0
-	}
-	return tm.UnixMicro()
-}
-
-func rv3Ms(us int64) time.Duration {
-	return (time.Duration(us) * time.Microsecond).Round(time.Millisecond)
-}
+// --- helpers (copies of the earlier reviews', under rv3 names; Redis's
+// TIME and its logging are leasetest.RedisNow and leasetest.Ms) ---------
 
 // rv3LostAt reports Redis's TIME when l's Lost closes.
 func rv3LostAt(rdb *redis.Client, l *lease.Lease) <-chan int64 {
@@ -49,7 +38,7 @@ func rv3LostAt(rdb *redis.Client, l *lease.Lease) <-chan int64 {
 	go func() {
 		select {
 		case <-l.Lost():
-			ch <- rv3Now(rdb)
+			ch <- leasetest.RedisNow(rdb)
 		case <-time.After(5 * time.Second): // a lease that is never lost: no goroutine left behind
 		}
 	}()
@@ -102,17 +91,17 @@ func TestReviewLease3CutKeepCallOut(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			e := newEnv(t)
+			e := leasetest.NewEnv(t)
 			ctx := context.Background()
 			var tweak func(*redis.Options)
 			if tc.readTimeout > 0 {
 				tweak = func(o *redis.Options) { o.ReadTimeout, o.WriteTimeout = tc.readTimeout, tc.readTimeout }
 			}
 			var keepOut atomic.Int64 // keep calls of A out now
-			p, aEng := rvProxied(t, e, 5*time.Second, tweak, rvKeepsOut(&keepOut))
+			p, aEng := leasetest.Proxied(t, e, 5*time.Second, tweak, rvKeepsOut(&keepOut))
 			t.Cleanup(func() { p.SetLatency(0); p.SetReplyDelay(0); p.Sever() })
-			a := rvSem(t, aEng, 1, lease.WithTTL(ttl))
-			b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+			a := leasetest.SemOn(t, aEng, 1, lease.WithTTL(ttl))
+			b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 			require.NoError(t, a.Load(ctx))
 			require.NoError(t, b.Load(ctx))
 			l, err := a.Acquire(ctx, "k")
@@ -123,14 +112,14 @@ func TestReviewLease3CutKeepCallOut(t *testing.T) {
 				t.Fatal("Lost closed before the cut, Redis healthy")
 			default:
 			}
-			before := rvLook(ctx, e.rdb, e, "k", l.Token())
+			before := leasetest.Look(ctx, e.Rdb, e, "k", l.Token())
 			if tc.replies {
 				p.SetReplyDelay(time.Hour)
 			} else {
 				p.SetLatency(time.Hour)
 			}
-			cut := rv3Now(e.rdb)
-			lostAt := rv3LostAt(e.rdb, l)
+			cut := leasetest.RedisNow(e.Rdb)
+			lostAt := rv3LostAt(e.Rdb, l)
 			bGot := make(chan int64, 1)
 			bctx, bcancel := context.WithTimeout(ctx, 40*time.Second)
 			defer bcancel()
@@ -140,7 +129,7 @@ func TestReviewLease3CutKeepCallOut(t *testing.T) {
 				defer close(bdone)
 				var err error
 				if bl, err = b.Acquire(bctx, "k"); err == nil {
-					bGot <- rv3Now(e.rdb)
+					bGot <- leasetest.RedisNow(e.Rdb)
 				}
 			}()
 			last := before
@@ -157,7 +146,7 @@ func TestReviewLease3CutKeepCallOut(t *testing.T) {
 				case bAt = <-bGot:
 				case <-time.After(3 * time.Millisecond):
 				}
-				if s := rvLook(ctx, e.rdb, e, "k", l.Token()); s.held {
+				if s := leasetest.Look(ctx, e.Rdb, e, "k", l.Token()); s.Held {
 					last = s
 				} else if outAtExpiry < 0 {
 					outAtExpiry = keepOut.Load()
@@ -170,10 +159,10 @@ func TestReviewLease3CutKeepCallOut(t *testing.T) {
 				}
 			}
 			t.Logf("%s: Redis expiry read before the cut: %v after the cut; final Redis expiry %v after the cut; keep calls of A out when Redis dropped the lease: %d; Lost closed %v after the final Redis expiry; B granted %v after it",
-				tc.name, rv3Ms(before.expiry-cut), rv3Ms(last.expiry-cut), outAtExpiry, rv3Ms(lost-last.expiry), rv3Ms(bAt-last.expiry))
+				tc.name, leasetest.Ms(before.Expiry-cut), leasetest.Ms(last.Expiry-cut), outAtExpiry, leasetest.Ms(lost-last.Expiry), leasetest.Ms(bAt-last.Expiry))
 			if bAt != 0 && bAt < lost {
 				t.Errorf("%s (N=1, TTL %v, engine timeout 5 s): holder A cut off from Redis kept Lost open %v after Redis's expiry of its lease (ZSCORE read before the cut: %v after the cut); process B was granted the key %v before A's Lost closed: two believed holders",
-					tc.name, ttl, rv3Ms(lost-last.expiry), rv3Ms(before.expiry-cut), rv3Ms(lost-bAt))
+					tc.name, ttl, leasetest.Ms(lost-last.Expiry), leasetest.Ms(before.Expiry-cut), leasetest.Ms(lost-bAt))
 			}
 			bcancel()
 			<-bdone
@@ -182,7 +171,7 @@ func TestReviewLease3CutKeepCallOut(t *testing.T) {
 			}
 		})
 	}
-	t.Cleanup(func() { rvSettled(t, 15*time.Second) })
+	t.Cleanup(func() { leasetest.Settled(t, 15*time.Second) })
 }
 
 // --- (a) A lease delivered fresh while the keeper blocks on a dead BLPOP --
@@ -206,28 +195,28 @@ func TestReviewLease3FreshLeaseDeadBlpop(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			e := newEnv(t)
+			e := leasetest.NewEnv(t)
 			ctx := context.Background()
 			var p *redistest.Proxy
 			var armed atomic.Bool
 			var blpopTook atomic.Int64
-			hook := rvHook{
-				before: func(cmd redis.Cmder) {
+			hook := leasetest.Hook{
+				Before: func(cmd redis.Cmder) {
 					if cmd.Name() == "blpop" && armed.CompareAndSwap(true, false) {
 						p.SetReplyDelay(time.Hour) // this connection's reply will be held forever
 						blpopTook.Store(-1)
 					}
 				},
-				after: func(cmd redis.Cmder, took time.Duration) {
+				After: func(cmd redis.Cmder, took time.Duration) {
 					if cmd.Name() == "blpop" && blpopTook.Load() == -1 {
 						blpopTook.Store(int64(took))
 					}
 				},
 			}
-			p, aEng := rvProxied(t, e, 5*time.Second, nil, hook)
+			p, aEng := leasetest.Proxied(t, e, 5*time.Second, nil, hook)
 			t.Cleanup(func() { p.SetReplyDelay(0); p.Sever() })
-			a := rvSem(t, aEng, 1, lease.WithTTL(tc.ttl), lease.WithPollInterval(50*time.Millisecond))
-			b := rvSem(t, e.eng, 1, lease.WithTTL(tc.ttl))
+			a := leasetest.SemOn(t, aEng, 1, lease.WithTTL(tc.ttl), lease.WithPollInterval(50*time.Millisecond))
+			b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(tc.ttl))
 			require.NoError(t, a.Load(ctx))
 			require.NoError(t, b.Load(ctx))
 			l0, err := a.Acquire(ctx, "k")
@@ -241,18 +230,18 @@ func TestReviewLease3FreshLeaseDeadBlpop(t *testing.T) {
 				}
 				wch <- l
 			}()
-			waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 1 })
+			leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 1 })
 			time.Sleep(100 * time.Millisecond)
 			armed.Store(true)
-			waitFor(t, func() bool { return blpopTook.Load() == -1 })
+			leasetest.WaitFor(t, func() bool { return blpopTook.Load() == -1 })
 			time.Sleep(300 * time.Millisecond) // the BLPOP's nil reply (after <= 50 ms + Redis's tick) comes in, held
 			p.SetReplyDelay(0)
 			require.NoError(t, l0.Release(ctx)) // its reply grants W
 			l1 := <-wch
 			require.NotNil(t, l1)
-			got := rv3Now(e.rdb)
-			seen := rvLook(ctx, e.rdb, e, "k", l1.Token())
-			lostAt := rv3LostAt(e.rdb, l1)
+			got := leasetest.RedisNow(e.Rdb)
+			seen := leasetest.Look(ctx, e.Rdb, e, "k", l1.Token())
+			lostAt := rv3LostAt(e.Rdb, l1)
 			if tc.name == "close/ttl600ms" {
 				cctx, cancel := context.WithTimeout(ctx, time.Second)
 				t0 := time.Now()
@@ -268,8 +257,8 @@ func TestReviewLease3FreshLeaseDeadBlpop(t *testing.T) {
 				if took > 1500*time.Millisecond {
 					t.Errorf("Close with a 1 s context returned after %v", took.Round(time.Millisecond))
 				}
-				h, _ := rv3Live(e.rdb, e.key("k", "h"))
-				w, _ := rv3Live(e.rdb, e.key("k", "w"))
+				h, _ := rv3Live(e.Rdb, e.Key("k", "h"))
+				w, _ := rv3Live(e.Rdb, e.Key("k", "w"))
 				if h+w != 0 {
 					t.Errorf("after Close: %d live holders, %d live waiters in Redis", h, w)
 				}
@@ -280,7 +269,7 @@ func TestReviewLease3FreshLeaseDeadBlpop(t *testing.T) {
 			defer bcancel()
 			go func() {
 				if bl, err := b.Acquire(bctx, "k"); err == nil {
-					bGot <- rv3Now(e.rdb)
+					bGot <- leasetest.RedisNow(e.Rdb)
 					<-bctx.Done()
 					_ = bl.Release(context.Background())
 				}
@@ -297,15 +286,15 @@ func TestReviewLease3FreshLeaseDeadBlpop(t *testing.T) {
 			}
 			bcancel()
 			t.Logf("%s: W's lease handed out with %v left in Redis; dead BLPOP returned after %v; Lost closed %v after the Redis expiry; B granted %v after it",
-				tc.name, rv3Ms(seen.expiry-got), rv3Blpop(blpopTook.Load()), rv3Ms(lost-seen.expiry), rv3Ms(bAt-seen.expiry))
+				tc.name, leasetest.Ms(seen.Expiry-got), rv3Blpop(blpopTook.Load()), leasetest.Ms(lost-seen.Expiry), leasetest.Ms(bAt-seen.Expiry))
 			if bAt != 0 && bAt < lost {
 				t.Errorf("%s: Redis healthy but the keeper's BLPOP connection dead: the lease granted to W by A's own Release (delivered fresh) was never extended, Redis dropped it and B was granted the key %v before W's Lost closed (%v after the Redis expiry, no extension on its way): two believed holders, N=1",
-					tc.name, rv3Ms(lost-bAt), rv3Ms(lost-seen.expiry))
+					tc.name, leasetest.Ms(lost-bAt), leasetest.Ms(lost-seen.Expiry))
 			}
 			_ = l1.Release(ctx)
 		})
 	}
-	t.Cleanup(func() { rvSettled(t, 10*time.Second) })
+	t.Cleanup(func() { leasetest.Settled(t, 10*time.Second) })
 }
 
 func rv3Blpop(took int64) string {
@@ -326,11 +315,11 @@ func TestReviewLease3SlowAcquireReply(t *testing.T) {
 	for _, delay := range []time.Duration{100 * time.Millisecond, 400 * time.Millisecond} {
 		t.Run(fmt.Sprintf("replyDelay=%v", delay), func(t *testing.T) {
 			t.Parallel()
-			e := newEnv(t)
+			e := leasetest.NewEnv(t)
 			ctx := context.Background()
-			p, aEng := rvProxied(t, e, 5*time.Second, nil)
-			a := rvSem(t, aEng, 1, lease.WithTTL(ttl))
-			b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+			p, aEng := leasetest.Proxied(t, e, 5*time.Second, nil)
+			a := leasetest.SemOn(t, aEng, 1, lease.WithTTL(ttl))
+			b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 			require.NoError(t, a.Load(ctx))
 			require.NoError(t, b.Load(ctx))
 			p.SetReplyDelay(delay)
@@ -342,8 +331,8 @@ func TestReviewLease3SlowAcquireReply(t *testing.T) {
 				ach <- l
 			}()
 			var expiry int64 // A's lease in Redis, read as soon as it is granted there
-			waitFor(t, func() bool {
-				z, _ := e.rdb.ZRangeWithScores(ctx, e.key("k", "h"), 0, -1).Result()
+			leasetest.WaitFor(t, func() bool {
+				z, _ := e.Rdb.ZRangeWithScores(ctx, e.Key("k", "h"), 0, -1).Result()
 				if len(z) == 1 {
 					expiry = int64(z[0].Score)
 				}
@@ -354,7 +343,7 @@ func TestReviewLease3SlowAcquireReply(t *testing.T) {
 			defer bcancel()
 			go func() {
 				if bl, err := b.Acquire(bctx, "k"); err == nil {
-					bGot <- rv3Now(e.rdb)
+					bGot <- leasetest.RedisNow(e.Rdb)
 					<-bctx.Done()
 					_ = bl.Release(context.Background())
 				}
@@ -370,15 +359,15 @@ func TestReviewLease3SlowAcquireReply(t *testing.T) {
 			}
 			require.NoError(t, err)
 			require.NotNil(t, l)
-			ret := rv3Now(e.rdb)
+			ret := leasetest.RedisNow(e.Rdb)
 			openAtReturn := true
 			select {
 			case <-l.Lost():
 				openAtReturn = false
 			default:
 			}
-			seen := rvLook(ctx, e.rdb, e, "k", l.Token())
-			lostAt := rv3LostAt(e.rdb, l)
+			seen := leasetest.Look(ctx, e.Rdb, e, "k", l.Token())
+			lostAt := rv3LostAt(e.Rdb, l)
 			var lost, bAt int64
 			select {
 			case lost = <-lostAt:
@@ -393,18 +382,18 @@ func TestReviewLease3SlowAcquireReply(t *testing.T) {
 				if at == 0 {
 					return "never (within the wait)"
 				}
-				return rv3Ms(at - expiry).String()
+				return leasetest.Ms(at - expiry).String()
 			}
 			t.Logf("reply delay %v: Acquire returned %v after the lease's Redis expiry, Lost open=%v, still a holder in Redis=%v; Lost closed after the Redis expiry: %v; B granted after it: %v",
-				delay, rv3Ms(ret-expiry), openAtReturn, seen.held, since(lost), since(bAt))
+				delay, leasetest.Ms(ret-expiry), openAtReturn, seen.Held, since(lost), since(bAt))
 			if openAtReturn && bAt != 0 && (lost == 0 || bAt < lost) {
 				t.Errorf("acquire reply %v > TTL %v: Acquire returned a lease %v after its Redis expiry (the TTL had passed since the granting call was sent, nothing on its way) with Lost open; B was granted the key %v after that expiry and %v before A's Lost closed (%v after the expiry): two believed holders, N=1",
-					delay, ttl, rv3Ms(ret-expiry), rv3Ms(bAt-expiry), rv3Ms(lost-bAt), rv3Ms(lost-expiry))
+					delay, ttl, leasetest.Ms(ret-expiry), leasetest.Ms(bAt-expiry), leasetest.Ms(lost-bAt), leasetest.Ms(lost-expiry))
 			}
 			_ = l.Release(ctx)
 		})
 	}
-	t.Cleanup(func() { rvSettled(t, 10*time.Second) })
+	t.Cleanup(func() { leasetest.Settled(t, 10*time.Second) })
 }
 
 // --- (b) At most N believed holders: severed connections, slow replies ---
@@ -457,20 +446,20 @@ func rv3Peak(ivs []rv3Iv, n int) (int, []string) {
 }
 
 func TestReviewLease3OverlapChaos(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const n = 2
 	// Lost comes a tenth of the TTL before Redis drops a lease: timers and
 	// goroutines on a busy machine (this test runs beside the whole suite)
 	// must be that punctual, so the TTL leaves them 150 ms.
 	ttl := 1500 * time.Millisecond
-	bel := &rvBelieved{held: map[int64]*lease.Lease{}, rdb: e.rdb}
-	p, aEng := rvProxied(t, e, time.Second, nil, bel.hook())
-	bEng := rvDirect(t, e, 2*time.Second, bel.hook())
+	bel := &rvBelieved{held: map[int64]*lease.Lease{}, rdb: e.Rdb}
+	p, aEng := leasetest.Proxied(t, e, time.Second, nil, bel.hook())
+	bEng := leasetest.Direct(t, e, 2*time.Second, bel.hook())
 	sems := []*lease.Semaphore{
-		rvSem(t, aEng, n, lease.WithTTL(ttl)),
-		rvSem(t, aEng, n, lease.WithTTL(ttl), lease.WithPollInterval(30*time.Millisecond)),
-		rvSem(t, bEng, n, lease.WithTTL(ttl)),
+		leasetest.SemOn(t, aEng, n, lease.WithTTL(ttl)),
+		leasetest.SemOn(t, aEng, n, lease.WithTTL(ttl), lease.WithPollInterval(30*time.Millisecond)),
+		leasetest.SemOn(t, bEng, n, lease.WithTTL(ttl)),
 	}
 	names := []string{"A1", "A2", "B"}
 	base := time.Now()
@@ -552,25 +541,25 @@ func TestReviewLease3OverlapChaos(t *testing.T) {
 		require.NoError(t, s.Close(cctx))
 	}
 	time.Sleep(ttl + 100*time.Millisecond)
-	h, _ := rv3Live(e.rdb, e.key("k", "h"))
-	w, _ := rv3Live(e.rdb, e.key("k", "w"))
+	h, _ := rv3Live(e.Rdb, e.Key("k", "h"))
+	w, _ := rv3Live(e.Rdb, e.Key("k", "w"))
 	if h+w != 0 {
 		t.Errorf("a TTL after every Semaphore closed: %d live holders, %d live waiters in Redis", h, w)
 	}
-	rvSettled(t, 10*time.Second)
+	leasetest.Settled(t, 10*time.Second)
 }
 
 // --- (c) Close while keep calls are out ---------------------------------
 
 func TestReviewLease3CloseKeepCallsOut(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	ttl := 1200 * time.Millisecond
 	var keepOut atomic.Int64
-	p, aEng := rvProxied(t, e, 5*time.Second, nil, rvKeepsOut(&keepOut))
+	p, aEng := leasetest.Proxied(t, e, 5*time.Second, nil, rvKeepsOut(&keepOut))
 	a, err := lease.New(aEng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(60*time.Millisecond))
 	require.NoError(t, err)
-	b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 	require.NoError(t, a.Load(ctx))
 	var held []*lease.Lease
 	for _, k := range []string{"x", "y"} {
@@ -584,9 +573,9 @@ func TestReviewLease3CloseKeepCallsOut(t *testing.T) {
 	for range 3 {
 		go func() { _, err := a.Acquire(ctx, "k"); werrs <- err }()
 	}
-	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 3 })
+	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 3 })
 	p.SetReplyDelay(350 * time.Millisecond)
-	waitFor(t, func() bool { return keepOut.Load() >= 2 })
+	leasetest.WaitFor(t, func() bool { return keepOut.Load() >= 2 })
 	out := keepOut.Load()
 	cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	t0 := time.Now()
@@ -615,14 +604,14 @@ func TestReviewLease3CloseKeepCallsOut(t *testing.T) {
 	require.NoError(t, bl.Release(ctx))
 	time.Sleep(50 * time.Millisecond)
 	for _, k := range []string{"k", "x", "y"} {
-		h, hl := rv3Live(e.rdb, e.key(k, "h"))
-		w, wl := rv3Live(e.rdb, e.key(k, "w"))
+		h, hl := rv3Live(e.Rdb, e.Key(k, "h"))
+		w, wl := rv3Live(e.Rdb, e.Key(k, "w"))
 		if h+w != 0 {
 			t.Errorf("key %s after the closed A's calls are all through and B released: %d live holders (%v left), %d live waiters (%v left): ghosts of the closed Semaphore", k, h, hl.Round(time.Millisecond), w, wl.Round(time.Millisecond))
 		}
 	}
 	require.NoError(t, b.Close(ctx))
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 }
 
 // --- (c) Close while Redis is paused; ghosts after it resumes -------------
@@ -633,7 +622,7 @@ func TestReviewLease3CloseRedisPaused(t *testing.T) {
 	eng, err := throttle.New(c, throttle.WithPrefix("rv3:"), throttle.WithTimeout(300*time.Millisecond))
 	require.NoError(t, err)
 	direct := srv.Client(t)
-	e := &env{srv: srv, rdb: direct, prefix: "rv3:"}
+	e := &leasetest.Env{Srv: srv, Rdb: direct, Prefix: "rv3:"}
 	ctx := context.Background()
 	ttl := 900 * time.Millisecond
 	a, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(50*time.Millisecond))
@@ -644,7 +633,7 @@ func TestReviewLease3CloseRedisPaused(t *testing.T) {
 	for range 2 {
 		go func() { _, err := a.Acquire(ctx, "k"); werrs <- err }()
 	}
-	waitFor(t, func() bool { n, _ := direct.ZCard(ctx, e.key("k", "q")).Result(); return n == 2 })
+	leasetest.WaitFor(t, func() bool { n, _ := direct.ZCard(ctx, e.Key("k", "q")).Result(); return n == 2 })
 	time.Sleep(time.Duration(rand.IntN(60)) * time.Millisecond)
 	require.NoError(t, syscall.Kill(srv.Pid(), syscall.SIGSTOP))
 	paused := true
@@ -677,16 +666,16 @@ func TestReviewLease3CloseRedisPaused(t *testing.T) {
 	paused = false
 	resumed := time.Now()
 	time.Sleep(100 * time.Millisecond) // what was sent while paused runs now
-	h, hl := rv3Live(direct, e.key("k", "h"))
-	w, wl := rv3Live(direct, e.key("k", "w"))
+	h, hl := rv3Live(direct, e.Key("k", "h"))
+	w, wl := rv3Live(direct, e.Key("k", "w"))
 	t.Logf("100 ms after Redis resumed: %d live holders (latest expiry %v away), %d live waiters (%v away)", h, hl.Round(time.Millisecond), w, wl.Round(time.Millisecond))
 	if hl > ttl+100*time.Millisecond || wl > ttl+100*time.Millisecond {
 		t.Errorf("ghosts of the closed Semaphore outlive the TTL after Redis came back: holders %v, waiters %v left", hl, wl)
 	}
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 	time.Sleep(time.Until(resumed.Add(ttl + 150*time.Millisecond)))
-	h, _ = rv3Live(direct, e.key("k", "h"))
-	w, _ = rv3Live(direct, e.key("k", "w"))
+	h, _ = rv3Live(direct, e.Key("k", "h"))
+	w, _ = rv3Live(direct, e.Key("k", "w"))
 	if h+w != 0 {
 		t.Errorf("a TTL after Redis came back: %d live holders, %d live waiters of the closed Semaphore", h, w)
 	}
@@ -695,14 +684,14 @@ func TestReviewLease3CloseRedisPaused(t *testing.T) {
 // --- (d) Release racing the lapse timer and keep calls -------------------
 
 func TestReviewLease3ReleaseRacesLapse(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	ttl := 60 * time.Millisecond
-	bel := &rvBelieved{held: map[int64]*lease.Lease{}, rdb: e.rdb}
-	p, aEng := rvProxied(t, e, 2*time.Second, nil, bel.hook())
+	bel := &rvBelieved{held: map[int64]*lease.Lease{}, rdb: e.Rdb}
+	p, aEng := leasetest.Proxied(t, e, 2*time.Second, nil, bel.hook())
 	p.SetLatency(3 * time.Millisecond)
-	bEng := rvDirect(t, e, 2*time.Second, bel.hook())
-	sems := []*lease.Semaphore{rvSem(t, aEng, 2, lease.WithTTL(ttl)), rvSem(t, bEng, 2, lease.WithTTL(ttl))}
+	bEng := leasetest.Direct(t, e, 2*time.Second, bel.hook())
+	sems := []*lease.Semaphore{leasetest.SemOn(t, aEng, 2, lease.WithTTL(ttl)), leasetest.SemOn(t, bEng, 2, lease.WithTTL(ttl))}
 	end := time.Now().Add(4 * time.Second)
 	var mu sync.Mutex
 	outcomes := map[string]int{}
@@ -780,5 +769,5 @@ func TestReviewLease3ReleaseRacesLapse(t *testing.T) {
 	for _, s := range sems {
 		require.NoError(t, s.Close(cctx))
 	}
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 }

@@ -23,6 +23,7 @@ import (
 
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -139,13 +140,13 @@ func rv4Lost(l *lease.Lease) bool {
 // returns a lease (not ErrLost) while A holds the only one: two believed
 // holders of N = 1.
 func TestReviewLease4StaleWakeupOverlap(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const ttl = 300 * time.Millisecond
-	sA := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+	sA := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 
-	sw := rv4NewSwitch(t, e.srv.Addr)
-	opts := e.srv.Options()
+	sw := rv4NewSwitch(t, e.Srv.Addr)
+	opts := e.Srv.Options()
 	opts.Addr = sw.Addr()
 	opts.PoolSize = 4
 	opts.DialTimeout = 200 * time.Millisecond
@@ -153,10 +154,10 @@ func TestReviewLease4StaleWakeupOverlap(t *testing.T) {
 	t.Cleanup(func() { _ = rdbB.Close() })
 	hk := &rv4Log{start: time.Now()}
 	rdbB.AddHook(hk)
-	engB, err := throttle.New(rdbB, throttle.WithPrefix(e.prefix), throttle.WithTimeout(200*time.Millisecond),
+	engB, err := throttle.New(rdbB, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(200*time.Millisecond),
 		throttle.WithProbeBackoff(time.Millisecond, time.Millisecond))
 	require.NoError(t, err)
-	sB := rvSem(t, engB, 1, lease.WithTTL(ttl))
+	sB := leasetest.SemOn(t, engB, 1, lease.WithTTL(ttl))
 
 	var overlaps, lostAcq, other []string
 	for i := range 2 {
@@ -165,22 +166,22 @@ func TestReviewLease4StaleWakeupOverlap(t *testing.T) {
 		require.NoError(t, err)
 		bctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 		got := rv4Acquire(bctx, sB, key)
-		waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key(key, "q")).Result(); return n == 1 })
+		leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key(key, "q")).Result(); return n == 1 })
 		time.Sleep(150 * time.Millisecond) // B's keeper is blocking on its wake-up list
 		sw.cut()
 		time.Sleep(100 * time.Millisecond) // Redis drops the BLPOP with its connection
 		require.NoError(t, hA.Release(ctx))
-		lists, _ := e.rdb.Keys(ctx, e.key(key, "n:")+"*").Result()
+		lists, _ := e.Rdb.Keys(ctx, e.Key(key, "n:")+"*").Result()
 		var pending int64
 		for _, k := range lists {
-			n, _ := e.rdb.LLen(ctx, k).Result()
+			n, _ := e.Rdb.LLen(ctx, k).Result()
 			pending += n
 		}
 		var cutTrace []string
 		for t1 := time.Now(); time.Since(t1) < ttl+100*time.Millisecond; time.Sleep(40 * time.Millisecond) { // the grant to B's waiter lapses in Redis
 			if testing.Verbose() && len(lists) > 0 {
-				n, _ := e.rdb.LLen(ctx, lists[0]).Result()
-				pt, _ := e.rdb.PTTL(ctx, lists[0]).Result()
+				n, _ := e.Rdb.LLen(ctx, lists[0]).Result()
+				pt, _ := e.Rdb.PTTL(ctx, lists[0]).Result()
 				cutTrace = append(cutTrace, fmt.Sprintf("%v: %d/%v", time.Since(t1).Round(time.Millisecond), n, pt))
 			}
 		}
@@ -188,7 +189,7 @@ func TestReviewLease4StaleWakeupOverlap(t *testing.T) {
 			if len(lists) == 0 {
 				return -1
 			}
-			n, _ := e.rdb.LLen(ctx, lists[0]).Result()
+			n, _ := e.Rdb.LLen(ctx, lists[0]).Result()
 			return n
 		}
 		before := llen()
@@ -209,10 +210,10 @@ func TestReviewLease4StaleWakeupOverlap(t *testing.T) {
 			if time.Since(t0) < 1500*time.Millisecond {
 				var n int64
 				for _, k := range lists {
-					m, _ := e.rdb.LLen(ctx, k).Result()
+					m, _ := e.Rdb.LLen(ctx, k).Result()
 					n += m
 				}
-				q, _ := e.rdb.ZCard(ctx, e.key(key, "q")).Result()
+				q, _ := e.Rdb.ZCard(ctx, e.Key(key, "q")).Result()
 				trace = append(trace, fmt.Sprintf("%v: wake-ups %d queue %d", time.Since(t0).Round(time.Millisecond), n, q))
 			}
 		}
@@ -224,7 +225,7 @@ func TestReviewLease4StaleWakeupOverlap(t *testing.T) {
 		cancel()
 		switch {
 		case r.err == nil:
-			left, _ := e.redisLeft(ctx, key)
+			left, _ := redisLeft(ctx, e, key)
 			_, bHeld := left[r.l.Token()]
 			aOK, bOK := !rv4Lost(hA2), !rv4Lost(r.l)
 			msg := fmt.Sprintf("trial %d: B's Acquire returned token %d (Lost closed: %v; held in Redis: %v), A holds token %d (Lost closed: %v); Redis holders %v; wake-ups pending at the cut %d",
@@ -257,7 +258,7 @@ func TestReviewLease4StaleWakeupOverlap(t *testing.T) {
 // rv4LostMargin pauses Redis's writes (scripts included; reads go on), so
 // that l is no longer extended, waits for Lost, and returns how long Redis
 // still held l when Lost closed (negative: Lost came after the lapse).
-func rv4LostMargin(t *testing.T, rdb *redis.Client, e *env, key string, l *lease.Lease, ttl time.Duration) (time.Duration, bool) {
+func rv4LostMargin(t *testing.T, rdb *redis.Client, e *leasetest.Env, key string, l *lease.Lease, ttl time.Duration) (time.Duration, bool) {
 	ctx := context.Background()
 	require.NoError(t, rdb.Do(ctx, "client", "pause", (3*ttl).Milliseconds(), "write").Err())
 	defer rdb.Do(ctx, "client", "unpause")
@@ -267,7 +268,7 @@ func rv4LostMargin(t *testing.T, rdb *redis.Client, e *env, key string, l *lease
 		t.Errorf("%s: Lost never closed while Redis's writes were paused", key)
 		return 0, false
 	}
-	left, err := e.redisLeft(ctx, key)
+	left, err := redisLeft(ctx, e, key)
 	require.NoError(t, err)
 	d, ok := left[l.Token()]
 	return d, ok
@@ -285,19 +286,19 @@ func TestReviewLease4LostBeforeRedisLapse(t *testing.T) {
 	srv.RequireReal(t)
 	judge := srv.Client(t)
 	const prefix = "rv4:"
-	e := &env{srv: srv, rdb: judge, prefix: prefix}
+	e := &leasetest.Env{Srv: srv, Rdb: judge, Prefix: prefix}
 	ctx := context.Background()
 	const ttl = time.Second
 
 	direct, err := throttle.New(srv.Client(t), throttle.WithPrefix(prefix), throttle.WithTimeout(time.Second))
 	require.NoError(t, err)
-	other := rvSem(t, direct, 1, lease.WithTTL(ttl))
+	other := leasetest.SemOn(t, direct, 1, lease.WithTTL(ttl))
 
 	px := redistest.NewProxy(t, srv.Addr)
 	rdb := px.Client(t, srv)
 	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(400*time.Millisecond))
 	require.NoError(t, err)
-	s := rvSem(t, eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(200*time.Millisecond))
+	s := leasetest.SemOn(t, eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(200*time.Millisecond))
 
 	var bad []string
 	check := func(name, key string, l *lease.Lease) {
@@ -331,7 +332,7 @@ func TestReviewLease4LostBeforeRedisLapse(t *testing.T) {
 		h, err := s.Acquire(ctx, key)
 		require.NoError(t, err)
 		got := rv4Acquire(ctx, s, key)
-		waitFor(t, func() bool { n, _ := judge.ZCard(ctx, e.key(key, "q")).Result(); return n == 1 })
+		leasetest.WaitFor(t, func() bool { n, _ := judge.ZCard(ctx, e.Key(key, "q")).Result(); return n == 1 })
 		time.Sleep(ttl / 2) // the waiter's since ages
 		require.NoError(t, h.Release(ctx))
 		r := <-got
@@ -342,7 +343,7 @@ func TestReviewLease4LostBeforeRedisLapse(t *testing.T) {
 		h, err = s.Acquire(ctx, key)
 		require.NoError(t, err)
 		got = rv4Acquire(ctx, s, key)
-		waitFor(t, func() bool { n, _ := judge.ZCard(ctx, e.key(key, "q")).Result(); return n == 1 })
+		leasetest.WaitFor(t, func() bool { n, _ := judge.ZCard(ctx, e.Key(key, "q")).Result(); return n == 1 })
 		time.Sleep(200 * time.Millisecond)       // the waiter's acquire reply is back
 		px.SetReplyDelay(600 * time.Millisecond) // Release's reply is lost; the grant is found by a keep call
 		rerr := h.Release(ctx)
@@ -356,7 +357,7 @@ func TestReviewLease4LostBeforeRedisLapse(t *testing.T) {
 		h, err = other.Acquire(ctx, key)
 		require.NoError(t, err)
 		got = rv4Acquire(ctx, s, key)
-		waitFor(t, func() bool { n, _ := judge.ZCard(ctx, e.key(key, "q")).Result(); return n == 1 })
+		leasetest.WaitFor(t, func() bool { n, _ := judge.ZCard(ctx, e.Key(key, "q")).Result(); return n == 1 })
 		time.Sleep(300 * time.Millisecond)
 		require.NoError(t, h.Release(ctx))
 		r = <-got
@@ -374,15 +375,15 @@ func TestReviewLease4LostBeforeRedisLapse(t *testing.T) {
 // direct. Believed holding intervals (from Acquire's return to the
 // holder's check of Lost before Release) must never overlap.
 func TestReviewLease4LostRepliesNoOverlap(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const ttl = 600 * time.Millisecond
-	px := redistest.NewProxy(t, e.srv.Addr)
-	rdb := px.Client(t, e.srv)
-	eng, err := throttle.New(rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(60*time.Millisecond))
+	px := redistest.NewProxy(t, e.Srv.Addr)
+	rdb := px.Client(t, e.Srv)
+	eng, err := throttle.New(rdb, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(60*time.Millisecond))
 	require.NoError(t, err)
-	sp := rvSem(t, eng, 1, lease.WithTTL(ttl))
-	sd := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+	sp := leasetest.SemOn(t, eng, 1, lease.WithTTL(ttl))
+	sd := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 
 	type iv struct {
 		from, to time.Time
@@ -474,7 +475,7 @@ func TestReviewLease4LostRepliesNoOverlap(t *testing.T) {
 func TestReviewLease4SmallPoolLiveness(t *testing.T) {
 	for _, pool := range []int{1, 2, 3} {
 		t.Run(fmt.Sprint("pool", pool), func(t *testing.T) {
-			e := newEnv(t)
+			e := leasetest.NewEnv(t)
 			ctx := context.Background()
 			const ttl, poll = 1500 * time.Millisecond, 150 * time.Millisecond
 			const keys, per, run, hold = 10, 2, 4 * time.Second, 30 * time.Millisecond
@@ -483,11 +484,11 @@ func TestReviewLease4SmallPoolLiveness(t *testing.T) {
 			var engs []*throttle.Engine
 			var clients []*redis.Client
 			for range 2 {
-				o := e.srv.Options()
+				o := e.Srv.Options()
 				o.PoolSize = pool
 				c := redis.NewClient(o)
 				clients = append(clients, c)
-				eng, err := throttle.New(c, throttle.WithPrefix(e.prefix), throttle.WithTimeout(time.Second))
+				eng, err := throttle.New(c, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(time.Second))
 				require.NoError(t, err)
 				engs = append(engs, eng)
 				s, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
@@ -523,7 +524,7 @@ func TestReviewLease4SmallPoolLiveness(t *testing.T) {
 								}
 								select {
 								case <-l.Lost():
-									left, _ := e.redisLeft(ctx, key)
+									left, _ := redisLeft(ctx, e, key)
 									mu.Lock()
 									falseLost = append(falseLost, fmt.Sprintf("%s token %d: Lost with %v left in Redis", key, l.Token(), left[l.Token()]))
 									mu.Unlock()
@@ -625,7 +626,7 @@ func TestReviewLease4SmallPoolLiveness(t *testing.T) {
 			// Redis: nothing but the counters once the TTL (+1 s) has passed.
 			time.Sleep(ttl + 1200*time.Millisecond)
 			var left []string
-			for _, k := range e.keys(t) {
+			for _, k := range e.Keys(t) {
 				if !strings.HasSuffix(k, ":lease:c") {
 					left = append(left, k)
 				}
@@ -669,15 +670,15 @@ func rv4LeaseStacks(all string) string {
 // blocking reads "hold at most half the pool, so that they never starve"
 // the engine's calls, which on a Ring they do not.
 func TestReviewLease4Ring(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	mk := func(pool int) *throttle.Engine {
 		r := redis.NewRing(&redis.RingOptions{
-			Addrs: map[string]string{"a": e.srv.Addr}, ContextTimeoutEnabled: true,
+			Addrs: map[string]string{"a": e.Srv.Addr}, ContextTimeoutEnabled: true,
 			MaxRetries: -1, PoolSize: pool,
 		})
 		t.Cleanup(func() { _ = r.Close() })
-		eng, err := throttle.New(r, throttle.WithPrefix(e.prefix), throttle.WithTimeout(time.Second))
+		eng, err := throttle.New(r, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(time.Second))
 		require.NoError(t, err)
 		return eng
 	}
@@ -685,12 +686,12 @@ func TestReviewLease4Ring(t *testing.T) {
 	rel, ok := eng.HoldConn(ctx, "partner:{r}:lease:n:x")
 	require.True(t, ok, "HoldConn on a Ring")
 	rel()
-	a := rvSem(t, eng, 1, lease.WithTTL(time.Second))
-	b := rvSem(t, mk(0), 1, lease.WithTTL(time.Second))
+	a := leasetest.SemOn(t, eng, 1, lease.WithTTL(time.Second))
+	b := leasetest.SemOn(t, mk(0), 1, lease.WithTTL(time.Second))
 	h, err := a.Acquire(ctx, "r")
 	require.NoError(t, err)
 	got := rv4Acquire(ctx, b, "r")
-	waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("r", "q")).Result(); return n == 1 })
+	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("r", "q")).Result(); return n == 1 })
 	time.Sleep(100 * time.Millisecond)
 	released := time.Now()
 	require.NoError(t, h.Release(ctx))
@@ -702,7 +703,7 @@ func TestReviewLease4Ring(t *testing.T) {
 	t.Run("small pool", func(t *testing.T) {
 		eng := mk(3)
 		const ttl = 3 * time.Second
-		s := rvSem(t, eng, 1, lease.WithTTL(ttl))
+		s := leasetest.SemOn(t, eng, 1, lease.WithTTL(ttl))
 		const keys, per = 6, 3
 		var mu sync.Mutex
 		var errs []string
@@ -755,18 +756,18 @@ func TestReviewLease4Ring(t *testing.T) {
 // keys waited on; TryAcquire on a free key still answers at once; Release
 // after Close is a no-op; Close racing Releases and Acquires returns.
 func TestReviewLease4StarvedPoolEdges(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
-	o := e.srv.Options()
+	o := e.Srv.Options()
 	o.PoolSize = 2
 	c := redis.NewClient(o)
 	t.Cleanup(func() { _ = c.Close() })
-	eng, err := throttle.New(c, throttle.WithPrefix(e.prefix), throttle.WithTimeout(time.Second))
+	eng, err := throttle.New(c, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(time.Second))
 	require.NoError(t, err)
 	const ttl = 900 * time.Millisecond
 	s, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl))
 	require.NoError(t, err)
-	other := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+	other := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 	t0 := time.Now()
 	t.Cleanup(func() { t.Logf("%v: cleanup ends", time.Since(t0)) })
 
@@ -782,9 +783,9 @@ func TestReviewLease4StarvedPoolEdges(t *testing.T) {
 		holds = append(holds, h)
 		waits = append(waits, rv4Acquire(wctx, s, key), rv4Acquire(wctx, s, key))
 	}
-	waitFor(t, func() bool {
+	leasetest.WaitFor(t, func() bool {
 		for k := range 12 {
-			if n, _ := e.rdb.ZCard(ctx, e.key(fmt.Sprint("e", k), "q")).Result(); n != 2 {
+			if n, _ := e.Rdb.ZCard(ctx, e.Key(fmt.Sprint("e", k), "q")).Result(); n != 2 {
 				return false
 			}
 		}
@@ -876,7 +877,7 @@ func TestReviewLease4StarvedPoolEdges(t *testing.T) {
 	t.Cleanup(func() { t.Logf("%v: cleanup begins", time.Since(t0)) })
 	// Nothing of this process left in any queue.
 	for k := range 12 {
-		ids, _ := e.rdb.ZRange(ctx, e.key(fmt.Sprint("e", k), "q"), 0, -1).Result()
+		ids, _ := e.Rdb.ZRange(ctx, e.Key(fmt.Sprint("e", k), "q"), 0, -1).Result()
 		if len(ids) > 0 {
 			t.Errorf("key e%d: queue %v after Close", k, ids)
 		}

@@ -25,24 +25,25 @@ import (
 
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 	"github.com/slotbook/slotbook/throttle"
 )
 
 // --- Bad input, repeats, Close -------------------------------------------
 
 func TestReviewLeaseInvalidInputNoCall(t *testing.T) {
-	e := newEnv(t)
-	s := e.sem(t, 2)
-	closed := e.sem(t, 2)
+	e := leasetest.NewEnv(t)
+	s := e.Sem(t, 2)
+	closed := e.Sem(t, 2)
 	require.NoError(t, closed.Close(context.Background()))
-	before := e.calls.Load()
+	before := e.Calls.Load()
 	ctx := context.Background()
 	long := strings.Repeat("x", throttle.MaxKeyLen)
 	for name, f := range map[string]func() error{
-		"ttl under MinTTL":  func() error { _, err := lease.New(e.eng, "p", 1, lease.WithTTL(lease.MinTTL-1)); return err },
-		"name with braces":  func() error { _, err := lease.New(e.eng, "p{x}", 1); return err },
-		"poll zero":         func() error { _, err := lease.New(e.eng, "p", 1, lease.WithPollInterval(0)); return err },
-		"nil observer":      func() error { _, err := lease.New(e.eng, "p", 1, lease.WithObserver(nil)); return err },
+		"ttl under MinTTL":  func() error { _, err := lease.New(e.Eng, "p", 1, lease.WithTTL(lease.MinTTL-1)); return err },
+		"name with braces":  func() error { _, err := lease.New(e.Eng, "p{x}", 1); return err },
+		"poll zero":         func() error { _, err := lease.New(e.Eng, "p", 1, lease.WithPollInterval(0)); return err },
+		"nil observer":      func() error { _, err := lease.New(e.Eng, "p", 1, lease.WithObserver(nil)); return err },
 		"key too long":      func() error { _, err := s.Acquire(ctx, long); return err },
 		"try key too long":  func() error { _, _, err := s.TryAcquire(ctx, long); return err },
 		"closed, empty key": func() error { _, err := closed.Acquire(ctx, ""); return err },
@@ -51,7 +52,7 @@ func TestReviewLeaseInvalidInputNoCall(t *testing.T) {
 			t.Errorf("%s: got %v, want ErrInvalid", name, err)
 		}
 	}
-	if got := e.calls.Load() - before; got != 0 {
+	if got := e.Calls.Load() - before; got != 0 {
 		t.Errorf("bad input made %d Redis calls", got)
 	}
 	for name, f := range map[string]func() error{
@@ -65,8 +66,8 @@ func TestReviewLeaseInvalidInputNoCall(t *testing.T) {
 }
 
 func TestReviewLeaseRepeats(t *testing.T) {
-	e := newEnv(t)
-	s, err := lease.New(e.eng, "partner", 1, lease.WithTTL(300*time.Millisecond))
+	e := leasetest.NewEnv(t)
+	s, err := lease.New(e.Eng, "partner", 1, lease.WithTTL(300*time.Millisecond))
 	require.NoError(t, err)
 	ctx := context.Background()
 	a, err := s.Acquire(ctx, "k")
@@ -76,7 +77,7 @@ func TestReviewLeaseRepeats(t *testing.T) {
 	b, err := s.Acquire(ctx, "k")
 	require.NoError(t, err)
 	require.Greater(t, b.Token(), a.Token())
-	require.NoError(t, e.rdb.Del(ctx, e.key("k", "h")).Err()) // b lapses
+	require.NoError(t, e.Rdb.Del(ctx, e.Key("k", "h")).Err()) // b lapses
 	select {
 	case <-b.Lost():
 	case <-time.After(10 * time.Second):
@@ -90,29 +91,29 @@ func TestReviewLeaseRepeats(t *testing.T) {
 	require.NoError(t, s.Close(ctx))
 	require.NoError(t, s.Close(ctx), "second Close")
 	require.NoError(t, c.Release(ctx), "Release after Close")
-	if n, _ := e.rdb.ZCard(ctx, e.key("k", "h")).Result(); n != 0 {
+	if n, _ := e.Rdb.ZCard(ctx, e.Key("k", "h")).Result(); n != 0 {
 		t.Errorf("%d holders after Close", n)
 	}
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 }
 
 // TryAcquire whose call is in flight when Close runs: the doc says Close
 // releases held leases and waits for the keepers; a lease handed out after
 // Close began is one Close never releases.
 func TestReviewLeaseTryAcquireDuringClose(t *testing.T) {
-	e := newEnv(t)
-	p := redistest.NewProxy(t, e.srv.Addr)
+	e := leasetest.NewEnv(t)
+	p := redistest.NewProxy(t, e.Srv.Addr)
 	sent := make(chan struct{}, 1)
-	c := p.Client(t, e.srv)
-	c.AddHook(rvHook{before: func(cmd redis.Cmder) {
-		if a, _ := rvScriptArgs(cmd); len(a) >= 5 && fmt.Sprint(a[4]) == "try" {
+	c := p.Client(t, e.Srv)
+	c.AddHook(leasetest.Hook{Before: func(cmd redis.Cmder) {
+		if a, _ := leasetest.ScriptArgs(cmd); len(a) >= 5 && fmt.Sprint(a[4]) == "try" {
 			select {
 			case sent <- struct{}{}:
 			default:
 			}
 		}
 	}})
-	eng, err := throttle.New(c, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second))
+	eng, err := throttle.New(c, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(5*time.Second))
 	require.NoError(t, err)
 	s, err := lease.New(eng, "partner", 1, lease.WithTTL(3*time.Second))
 	require.NoError(t, err)
@@ -132,7 +133,7 @@ func TestReviewLeaseTryAcquireDuringClose(t *testing.T) {
 	defer cancel()
 	closeErr := s.Close(cctx)
 	r := <-got
-	holders, _ := e.rdb.ZCard(ctx, e.key("k", "h")).Result()
+	holders, _ := e.Rdb.ZCard(ctx, e.Key("k", "h")).Result()
 	t.Logf("TryAcquire: ok=%v err=%v; Close: %v; holders in Redis after Close: %d", r.ok, r.err, closeErr, holders)
 	if closeErr != nil {
 		t.Errorf("Close did not finish: %v (its keeper never stops while the late lease is held)", closeErr)
@@ -143,7 +144,7 @@ func TestReviewLeaseTryAcquireDuringClose(t *testing.T) {
 	if holders != 0 {
 		// Still extended by the keeper of a closed Semaphore?
 		time.Sleep(4 * time.Second)
-		if h2, _ := e.rdb.ZCard(ctx, e.key("k", "h")).Result(); h2 != 0 {
+		if h2, _ := e.Rdb.ZCard(ctx, e.Key("k", "h")).Result(); h2 != 0 {
 			t.Errorf("4 s (> TTL) after Close the closed Semaphore still holds %d lease(s) in Redis", h2)
 		}
 	}
@@ -151,7 +152,7 @@ func TestReviewLeaseTryAcquireDuringClose(t *testing.T) {
 		_ = r.l.Release(ctx) // lets the keeper end
 	}
 	_ = s.Close(ctx)
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 }
 
 // --- Lost replies --------------------------------------------------------
@@ -162,18 +163,18 @@ func TestReviewLeaseTryAcquireDuringClose(t *testing.T) {
 func TestReviewLeaseLostAcquireReply(t *testing.T) {
 	for _, contended := range []bool{false, true} {
 		t.Run(fmt.Sprintf("contended=%v", contended), func(t *testing.T) {
-			e := newEnv(t)
+			e := leasetest.NewEnv(t)
 			ctx := context.Background()
 			ttl := 3 * time.Second
-			direct := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+			direct := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 			require.NoError(t, direct.Load(ctx))
 			var scripts atomic.Int64 // script calls handed to the client
-			p, eng := rvProxied(t, e, 150*time.Millisecond, nil, rvHook{before: func(cmd redis.Cmder) {
-				if a, _ := rvScriptArgs(cmd); a != nil {
+			p, eng := leasetest.Proxied(t, e, 150*time.Millisecond, nil, leasetest.Hook{Before: func(cmd redis.Cmder) {
+				if a, _ := leasetest.ScriptArgs(cmd); a != nil {
 					scripts.Add(1)
 				}
 			}})
-			s := rvSem(t, eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(200*time.Millisecond))
+			s := leasetest.SemOn(t, eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(200*time.Millisecond))
 			require.NoError(t, s.Load(ctx)) // a pooled connection through the proxy: no handshake in the call
 			var held *lease.Lease
 			if contended {
@@ -201,8 +202,8 @@ func TestReviewLeaseLostAcquireReply(t *testing.T) {
 			var q []string
 			var h int64
 			for deadline := time.Now().Add(ttl / 2); ; time.Sleep(10 * time.Millisecond) {
-				q, _ = e.rdb.ZRange(ctx, e.key("k", "q"), 0, -1).Result()
-				h, _ = e.rdb.ZCard(ctx, e.key("k", "h")).Result()
+				q, _ = e.Rdb.ZRange(ctx, e.Key("k", "q"), 0, -1).Result()
+				h, _ = e.Rdb.ZCard(ctx, e.Key("k", "h")).Result()
 				if (len(q) == 0 && h == want) || time.Now().After(deadline) {
 					break
 				}
@@ -217,12 +218,12 @@ func TestReviewLeaseLostAcquireReply(t *testing.T) {
 				require.NoError(t, held.Release(ctx))
 			}
 			// Nobody believes they hold k: another process must get it now.
-			other := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+			other := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 			l, ok, err := other.TryAcquire(ctx, "k")
 			require.NoError(t, err)
 			if !ok {
-				tm, _ := e.rdb.Time(ctx).Result()
-				zs, _ := e.rdb.ZRangeWithScores(ctx, e.key("k", "h"), 0, -1).Result()
+				tm, _ := e.Rdb.Time(ctx).Result()
+				zs, _ := e.Rdb.ZRangeWithScores(ctx, e.Key("k", "h"), 0, -1).Result()
 				for _, z := range zs {
 					t.Errorf("no believed holder, yet TryAcquire fails: %v holds k for %v more (Redis clock)",
 						z.Member, time.UnixMicro(int64(z.Score)).Sub(tm).Round(time.Millisecond))
@@ -237,12 +238,12 @@ func TestReviewLeaseLostAcquireReply(t *testing.T) {
 // The caller's own deadline ending while the acquire call is in flight
 // (no breaker verdict): the waiter leaves and nothing is held.
 func TestReviewLeaseCallerDeadlineInFlight(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
-	p, eng := rvProxied(t, e, 5*time.Second, nil)
-	s := rvSem(t, eng, 1, lease.WithTTL(3*time.Second))
+	p, eng := leasetest.Proxied(t, e, 5*time.Second, nil)
+	s := leasetest.SemOn(t, eng, 1, lease.WithTTL(3*time.Second))
 	require.NoError(t, s.Load(ctx))
-	held, err := rvSem(t, e.eng, 1, lease.WithTTL(3*time.Second)).Acquire(ctx, "k2")
+	held, err := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(3*time.Second)).Acquire(ctx, "k2")
 	require.NoError(t, err)
 	p.SetLatency(40 * time.Millisecond)
 	for _, key := range []string{"k", "k2"} {
@@ -250,8 +251,8 @@ func TestReviewLeaseCallerDeadlineInFlight(t *testing.T) {
 		_, err := s.Acquire(actx, key)
 		cancel()
 		require.Error(t, err)
-		q, _ := e.rdb.ZCard(ctx, e.key(key, "q")).Result()
-		h, _ := e.rdb.ZCard(ctx, e.key(key, "h")).Result()
+		q, _ := e.Rdb.ZCard(ctx, e.Key(key, "q")).Result()
+		h, _ := e.Rdb.ZCard(ctx, e.Key(key, "h")).Result()
 		want := map[string]int64{"k": 0, "k2": 1}[key]
 		if q != 0 || h != want {
 			t.Errorf("%s: after %v: queue %d holders %d, want 0 and %d", key, err, q, h, want)
@@ -272,7 +273,7 @@ type rvKeepBlocker struct {
 }
 
 func (b *rvKeepBlocker) match(cmd redis.Cmder) {
-	a, _ := rvScriptArgs(cmd)
+	a, _ := leasetest.ScriptArgs(cmd)
 	if len(a) < 4 {
 		return
 	}
@@ -287,18 +288,18 @@ func (b *rvKeepBlocker) match(cmd redis.Cmder) {
 func TestReviewLeaseKeepRequeuesGoneWaiter(t *testing.T) {
 	for _, how := range []string{"cancelled", "granted-and-released"} {
 		t.Run(how, func(t *testing.T) {
-			e := newEnv(t)
+			e := leasetest.NewEnv(t)
 			ctx := context.Background()
 			ttl := 3 * time.Second
 			blk := &rvKeepBlocker{caught: make(chan struct{}), resume: make(chan struct{})}
-			c := e.srv.Client(t)
-			c.AddHook(rvHook{before: blk.match})
-			eng, err := throttle.New(c, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second))
+			c := e.Srv.Client(t)
+			c.AddHook(leasetest.Hook{Before: blk.match})
+			eng, err := throttle.New(c, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(5*time.Second))
 			require.NoError(t, err)
-			s := rvSem(t, eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(50*time.Millisecond))
+			s := leasetest.SemOn(t, eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(50*time.Millisecond))
 			holderSem := s
 			if how == "cancelled" {
-				holderSem = rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+				holderSem = leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 			}
 			first, err := holderSem.Acquire(ctx, "k")
 			require.NoError(t, err)
@@ -310,7 +311,7 @@ func TestReviewLeaseKeepRequeuesGoneWaiter(t *testing.T) {
 			}
 			got := make(chan res, 1)
 			go func() { l, err := s.Acquire(wctx, "k"); got <- res{l, err} }()
-			waitFor(t, func() bool { n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return n == 1 })
+			leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 1 })
 			blk.armed.Store(true)
 			select {
 			case <-blk.caught:
@@ -330,20 +331,20 @@ func TestReviewLeaseKeepRequeuesGoneWaiter(t *testing.T) {
 				r := <-got
 				require.NoError(t, r.err)
 				require.NoError(t, r.l.Release(ctx))
-				n, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result()
-				h, _ := e.rdb.ZCard(ctx, e.key("k", "h")).Result()
+				n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result()
+				h, _ := e.Rdb.ZCard(ctx, e.Key("k", "h")).Result()
 				require.Zero(t, n+h, "before the delayed keep call: queue and holders empty")
 				close(blk.resume) // the keep call goes out now
 			}
 			// Nobody believes they hold k, nobody waits: k must stay free.
-			other := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+			other := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 			for i := 0; i < 20; i++ {
 				time.Sleep(10 * time.Millisecond)
 				l, ok, err := other.TryAcquire(ctx, "k")
 				require.NoError(t, err)
 				if !ok {
-					hs, _ := e.rdb.ZRangeWithScores(ctx, e.key("k", "h"), 0, -1).Result()
-					tm, _ := e.rdb.Time(ctx).Result()
+					hs, _ := e.Rdb.ZRangeWithScores(ctx, e.Key("k", "h"), 0, -1).Result()
+					tm, _ := e.Rdb.Time(ctx).Result()
 					for _, z := range hs {
 						t.Errorf("no believed holder and no waiter, yet k is full: %v, a waiter that is gone, holds it for %v more (Redis clock)",
 							z.Member, time.UnixMicro(int64(z.Score)).Sub(tm).Round(time.Millisecond))
@@ -361,19 +362,19 @@ func TestReviewLeaseKeepRequeuesGoneWaiter(t *testing.T) {
 // A holder cut off from Redis: its lease lapses after the TTL and another
 // process takes it. The doc: a holder whose lease lapsed must see Lost.
 func TestReviewLeasePartitionedHolderNeverLost(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	ttl := 300 * time.Millisecond
-	p, eng := rvProxied(t, e, 100*time.Millisecond, nil)
+	p, eng := leasetest.Proxied(t, e, 100*time.Millisecond, nil)
 	// A connection and the scripts first: on a busy machine the dial and
 	// handshake of a first call can take more than the 100 ms timeout.
 	redistest.UntilOK(t, func() error { return eng.Load(ctx) })
-	s := rvSem(t, eng, 1, lease.WithTTL(ttl))
+	s := leasetest.SemOn(t, eng, 1, lease.WithTTL(ttl))
 	a, err := s.Acquire(ctx, "k")
 	require.NoError(t, err)
 	p.Close() // Redis unreachable for s from now on
 	cut := time.Now()
-	other := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+	other := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 	actx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	b, err := other.Acquire(actx, "k")
@@ -392,7 +393,7 @@ func TestReviewLeasePartitionedHolderNeverLost(t *testing.T) {
 	defer ccancel()
 	t.Logf("Close while cut off: %v", s.Close(cctx))
 	require.NoError(t, other.Close(ctx))
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 }
 
 // Redis restarted without persistence: holders learn (Lost). Fencing
@@ -404,7 +405,7 @@ func TestReviewLeaseRedisRestart(t *testing.T) {
 	require.NoError(t, err)
 	ctx := context.Background()
 	ttl := 600 * time.Millisecond
-	s := rvSem(t, eng, 1, lease.WithTTL(ttl))
+	s := leasetest.SemOn(t, eng, 1, lease.WithTTL(ttl))
 	var top int64
 	for range 5 {
 		l, err := s.Acquire(ctx, "k")
@@ -415,7 +416,7 @@ func TestReviewLeaseRedisRestart(t *testing.T) {
 	a, err := s.Acquire(ctx, "k")
 	require.NoError(t, err)
 	srv.Restart(t)
-	o := rvSem(t, eng, 1, lease.WithTTL(ttl))
+	o := leasetest.SemOn(t, eng, 1, lease.WithTTL(ttl))
 	var b *lease.Lease
 	redistest.UntilOK(t, func() error {
 		l, ok, err := o.TryAcquire(ctx, "k")
@@ -436,28 +437,28 @@ func TestReviewLeaseRedisRestart(t *testing.T) {
 	require.NoError(t, b.Release(ctx))
 	require.NoError(t, s.Close(ctx))
 	require.NoError(t, o.Close(ctx))
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 }
 
 // --- Stress: overlap, tokens, cancellations, latency --------------------
 
 func TestReviewLeaseStress(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	var givenUp atomic.Int64 // leases whose Lost closed while held
 	const n = 2
 	ttl := 3 * time.Second
-	p, peng := rvProxied(t, e, 2*time.Second, nil)
+	p, peng := leasetest.Proxied(t, e, 2*time.Second, nil)
 	p.SetLatency(40 * time.Millisecond)
 	// A second plain client for a second "process", so the two differ.
-	c2 := e.srv.Client(t)
-	eng2, err := throttle.New(c2, throttle.WithPrefix(e.prefix), throttle.WithTimeout(2*time.Second))
+	c2 := e.Srv.Client(t)
+	eng2, err := throttle.New(c2, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(2*time.Second))
 	require.NoError(t, err)
 	sems := []*lease.Semaphore{
-		rvSem(t, e.eng, n, lease.WithTTL(ttl), lease.WithPollInterval(30*time.Millisecond)),
-		rvSem(t, eng2, n, lease.WithTTL(ttl)),
-		rvSem(t, peng, n, lease.WithTTL(ttl), lease.WithPollInterval(50*time.Millisecond)),
-		rvSem(t, e.eng, n, lease.WithTTL(ttl)), // two Semaphores on one engine
+		leasetest.SemOn(t, e.Eng, n, lease.WithTTL(ttl), lease.WithPollInterval(30*time.Millisecond)),
+		leasetest.SemOn(t, eng2, n, lease.WithTTL(ttl)),
+		leasetest.SemOn(t, peng, n, lease.WithTTL(ttl), lease.WithPollInterval(50*time.Millisecond)),
+		leasetest.SemOn(t, e.Eng, n, lease.WithTTL(ttl)), // two Semaphores on one engine
 	}
 	base := time.Now()
 	type hold struct {
@@ -536,12 +537,12 @@ func TestReviewLeaseStress(t *testing.T) {
 	// Nobody holds or waits now: Redis must agree at once (no ghost), or,
 	// for leases given up while held, once their keeper's leave call (every
 	// poll interval, 1 s here at most) has gone.
-	h, _ := e.rdb.ZCard(ctx, e.key("k", "h")).Result()
-	q, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result()
+	h, _ := e.Rdb.ZCard(ctx, e.Key("k", "h")).Result()
+	q, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result()
 	for end := time.Now().Add(3 * time.Second); givenUp.Load() > 0 && h+q != 0 && time.Now().Before(end); {
 		time.Sleep(20 * time.Millisecond)
-		h, _ = e.rdb.ZCard(ctx, e.key("k", "h")).Result()
-		q, _ = e.rdb.ZCard(ctx, e.key("k", "q")).Result()
+		h, _ = e.Rdb.ZCard(ctx, e.Key("k", "h")).Result()
+		q, _ = e.Rdb.ZCard(ctx, e.Key("k", "q")).Result()
 	}
 	if h != 0 || q != 0 {
 		t.Errorf("after every worker released or gave up: %d holders, %d queued in Redis", h, q)
@@ -590,21 +591,21 @@ func TestReviewLeaseStress(t *testing.T) {
 	for _, s := range sems {
 		require.NoError(t, s.Close(ctx))
 	}
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 }
 
 // FIFO across semaphores (one behind 40 ms latency), with a waiter that
 // gives up in the middle of the queue.
 func TestReviewLeaseFIFOWithLatency(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	ttl := 5 * time.Second
-	p, peng := rvProxied(t, e, 2*time.Second, nil)
+	p, peng := leasetest.Proxied(t, e, 2*time.Second, nil)
 	p.SetLatency(40 * time.Millisecond)
 	sems := []*lease.Semaphore{
-		rvSem(t, e.eng, 1, lease.WithTTL(ttl)),
-		rvSem(t, peng, 1, lease.WithTTL(ttl)),
-		rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(20*time.Millisecond)),
+		leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl)),
+		leasetest.SemOn(t, peng, 1, lease.WithTTL(ttl)),
+		leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(20*time.Millisecond)),
 	}
 	held, err := sems[0].Acquire(ctx, "k")
 	require.NoError(t, err)
@@ -630,10 +631,10 @@ func TestReviewLeaseFIFOWithLatency(t *testing.T) {
 			time.Sleep(5 * time.Millisecond)
 			_ = l.Release(ctx)
 		}()
-		waitFor(t, func() bool { c, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return c == int64(i+1) })
+		leasetest.WaitFor(t, func() bool { c, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return c == int64(i+1) })
 	}
 	cancels[4]()
-	waitFor(t, func() bool { c, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result(); return c == waiters-1 })
+	leasetest.WaitFor(t, func() bool { c, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return c == waiters-1 })
 	require.NoError(t, held.Release(ctx))
 	wg.Wait()
 	close(grants)
@@ -657,22 +658,22 @@ func TestReviewLeaseFIFOWithLatency(t *testing.T) {
 // Release racing the keeper's extension: the keep call carrying the lease
 // reaches Redis after the release. Neither Lost nor ErrLost may follow.
 func TestReviewLeaseReleaseRacesKeep(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	var armed atomic.Bool
 	caught, resume := make(chan struct{}), make(chan struct{})
-	c := e.srv.Client(t)
-	c.AddHook(rvHook{before: func(cmd redis.Cmder) {
-		if a, _ := rvScriptArgs(cmd); len(a) >= 5 {
+	c := e.Srv.Client(t)
+	c.AddHook(leasetest.Hook{Before: func(cmd redis.Cmder) {
+		if a, _ := leasetest.ScriptArgs(cmd); len(a) >= 5 {
 			if h, ok := a[3].(int); ok && h >= 1 && armed.CompareAndSwap(true, false) {
 				close(caught)
 				<-resume
 			}
 		}
 	}})
-	eng, err := throttle.New(c, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second))
+	eng, err := throttle.New(c, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(5*time.Second))
 	require.NoError(t, err)
-	s := rvSem(t, eng, 2, lease.WithTTL(300*time.Millisecond))
+	s := leasetest.SemOn(t, eng, 2, lease.WithTTL(300*time.Millisecond))
 	a, err := s.Acquire(ctx, "k")
 	require.NoError(t, err)
 	b, err := s.Acquire(ctx, "k")
@@ -691,20 +692,20 @@ func TestReviewLeaseReleaseRacesKeep(t *testing.T) {
 	}
 	require.NoError(t, b.Release(ctx))
 	require.NoError(t, s.Close(ctx))
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 }
 
 // Connections severed every 300 ms under load: at most N believed holders
 // at any instant, and whatever is left in Redis drains within the TTL.
 func TestReviewLeaseSeverUnderLoad(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const n = 2
 	ttl := 1500 * time.Millisecond
-	p, peng := rvProxied(t, e, 300*time.Millisecond, nil)
+	p, peng := leasetest.Proxied(t, e, 300*time.Millisecond, nil)
 	sems := []*lease.Semaphore{
-		rvSem(t, peng, n, lease.WithTTL(ttl)),
-		rvSem(t, e.eng, n, lease.WithTTL(ttl)),
+		leasetest.SemOn(t, peng, n, lease.WithTTL(ttl)),
+		leasetest.SemOn(t, e.Eng, n, lease.WithTTL(ttl)),
 	}
 	base := time.Now()
 	end := base.Add(3 * time.Second)
@@ -785,10 +786,10 @@ func TestReviewLeaseSeverUnderLoad(t *testing.T) {
 	if peak > n {
 		t.Errorf("%d believed holders overlapped, N = %d", peak, n)
 	}
-	h0, _ := e.rdb.ZCard(ctx, e.key("k", "h")).Result()
-	q0, _ := e.rdb.ZCard(ctx, e.key("k", "q")).Result()
+	h0, _ := e.Rdb.ZCard(ctx, e.Key("k", "h")).Result()
+	q0, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result()
 	t.Logf("left in Redis right after every worker stopped: %d holders, %d queued (no believed holder)", h0, q0)
-	waitFor(t, func() bool {
+	leasetest.WaitFor(t, func() bool {
 		l, ok, err := sems[1].TryAcquire(ctx, "k")
 		if ok {
 			_ = l.Release(ctx)
@@ -798,5 +799,5 @@ func TestReviewLeaseSeverUnderLoad(t *testing.T) {
 	for _, s := range sems {
 		require.NoError(t, s.Close(ctx))
 	}
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 }

@@ -20,13 +20,14 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 	"github.com/slotbook/slotbook/throttle"
 )
 
 // rtIsDrain tells the waker's drain call: a script with no ARGV whose
 // keys are wake-up lists, the last the waker's own.
 func rtIsDrain(cmd redis.Cmder) bool {
-	argv, keys := rvScriptArgs(cmd)
+	argv, keys := leasetest.ScriptArgs(cmd)
 	return len(keys) >= 2 && len(argv) == 0 && strings.Contains(keys[len(keys)-1], ":lease:wake:")
 }
 
@@ -63,32 +64,19 @@ func (h *rtDrainDrop) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.
 	return next
 }
 
-// rtNoGhosts checks that no holder, queue or waiter entry of subjects is
-// left in Redis.
-func rtNoGhosts(t *testing.T, e *env, subjects []string) {
-	t.Helper()
-	ctx := context.Background()
-	for _, k := range subjects {
-		for _, part := range []string{"h", "q", "w"} {
-			v := e.rdb.ZRange(ctx, e.key(k, part), 0, -1).Val()
-			require.Empty(t, v, "%s of %s left in Redis after every worker is done and Close", part, k)
-		}
-	}
-}
-
 // TestReviewTombDrainReplyLost: A (a waker, 2 s poll) waits on 6 keys held
 // by B; B releases them together; the waker's BLPOP pops one wake-up and
 // its drain pops the others, but the drain's reply is lost. The grants
 // are in Redis (tokens), so the keepers' polls must still find them:
 // every waiter served within about a poll, none stranded, nothing left.
 func TestReviewTombDrainReplyLost(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const n, poll, ttl = 6, 2 * time.Second, 30 * time.Second
 	drop := &rtDrainDrop{delay: 100 * time.Millisecond}
-	engA := rvDirect(t, e, 5*time.Second, drop)
-	a := rvSem(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+	engA := leasetest.Direct(t, e, 5*time.Second, drop)
+	a := leasetest.SemOn(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 	require.NoError(t, a.Load(ctx))
 	keys := make([]string, n)
 	held := make([]*lease.Lease, n)
@@ -114,7 +102,7 @@ func TestReviewTombDrainReplyLost(t *testing.T) {
 		}()
 	}
 	for _, k := range keys {
-		rwQueued(t, e, k, 1)
+		e.Queued(t, k, 1)
 	}
 	time.Sleep(300 * time.Millisecond) // a read names every key
 	drop.armed.Store(true)
@@ -138,8 +126,8 @@ func TestReviewTombDrainReplyLost(t *testing.T) {
 	require.Less(t, took[n-1], poll+time.Second, "a grant whose drained wake-up was lost waited past a poll")
 	require.NoError(t, a.Close(ctx))
 	require.NoError(t, b.Close(ctx))
-	rtNoGhosts(t, e, keys)
-	rvSettled(t, 2*time.Second)
+	e.NoGhosts(t, keys)
+	leasetest.Settled(t, 2*time.Second)
 }
 
 // TestReviewTombLateAcquire: the acquire call of a waiter that gave up
@@ -150,13 +138,13 @@ func TestReviewTombDrainReplyLost(t *testing.T) {
 // (Kept, by the author of 39656c1, as a check of that bound: the lease
 // nobody holds lapses within its TTL, and k is free again then.)
 func TestReviewTombLateAcquire(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const ttl = 300 * time.Millisecond
-	o := &overtaken{mark: "wait", late: e.srv.Client(t), delay: ttl + 150*time.Millisecond, arrived: make(chan struct{})}
-	engA := rvDirect(t, e, 5*time.Second, o)
-	a := rvSem(t, engA, 1, lease.WithTTL(ttl))
-	b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+	o := &overtaken{mark: "wait", late: e.Srv.Client(t), delay: ttl + 150*time.Millisecond, arrived: make(chan struct{})}
+	engA := leasetest.Direct(t, e, 5*time.Second, o)
+	a := leasetest.SemOn(t, engA, 1, lease.WithTTL(ttl))
+	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 	held, err := b.Acquire(ctx, "k")
 	require.NoError(t, err)
 	o.armed.Store(true)
@@ -167,7 +155,7 @@ func TestReviewTombLateAcquire(t *testing.T) {
 	<-o.arrived
 	require.NoError(t, held.Release(ctx))
 	time.Sleep(20 * time.Millisecond)
-	hs := e.rdb.ZRange(ctx, e.key("k", "h"), 0, -1).Val()
+	hs := e.Rdb.ZRange(ctx, e.Key("k", "h"), 0, -1).Val()
 	t.Logf("holders of k nobody holds right after the release (acquire call %v after its leave, TTL %v): %v", o.delay, ttl, hs)
 	// Within the TTL (and the sweep of the next call), k is free again.
 	require.Eventually(t, func() bool {
@@ -188,16 +176,16 @@ func TestReviewTombLateAcquire(t *testing.T) {
 // after it (a token or a blocking count held for ever would leave the
 // waker unable to read: the poll alone); nothing is left after Close.
 func TestReviewTombBusyPoolHold(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const poll, ttl = 10 * time.Second, 30 * time.Second
-	_, engA := rvProxied(t, e, 2*time.Second, func(o *redis.Options) {
+	_, engA := leasetest.Proxied(t, e, 2*time.Second, func(o *redis.Options) {
 		o.PoolSize = 2
 		o.ReadTimeout = 100 * time.Millisecond
 		o.WriteTimeout = 100 * time.Millisecond
 	})
-	a := rvSem(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+	a := leasetest.SemOn(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 
 	var keys []string
 	wakeOnce := func(key string) time.Duration {
@@ -217,7 +205,7 @@ func TestReviewTombBusyPoolHold(t *testing.T) {
 			got <- time.Now()
 			_ = l.Release(ctx)
 		}()
-		rwQueued(t, e, key, 1)
+		e.Queued(t, key, 1)
 		time.Sleep(300 * time.Millisecond)
 		start := time.Now()
 		require.NoError(t, held.Release(ctx))
@@ -276,8 +264,8 @@ func TestReviewTombBusyPoolHold(t *testing.T) {
 	require.Less(t, after, 10*control+500*time.Millisecond, "after the load the waker no longer reads (token or blocking count kept?)")
 	require.NoError(t, a.Close(ctx))
 	require.NoError(t, b.Close(ctx))
-	rtNoGhosts(t, e, keys)
-	rvSettled(t, 2*time.Second)
+	e.NoGhosts(t, keys)
+	leasetest.Settled(t, 2*time.Second)
 }
 
 var _ = throttle.ErrReplyLost
@@ -292,11 +280,11 @@ var _ = throttle.ErrReplyLost
 // a few ms for a process on the default ReadTimeout (same run, same
 // server, 10 s poll).
 func TestReviewTombShortReadTimeout(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const poll, ttl = 10 * time.Second, 30 * time.Second
 	var blpops, failed atomic.Int64
-	hook := rvHook{after: func(cmd redis.Cmder, took time.Duration) {
+	hook := leasetest.Hook{After: func(cmd redis.Cmder, took time.Duration) {
 		if cmd.Name() == "blpop" {
 			blpops.Add(1)
 			if c, ok := cmd.(*redis.StringSliceCmd); ok && len(c.Val()) == 0 && took >= 90*time.Millisecond {
@@ -305,11 +293,11 @@ func TestReviewTombShortReadTimeout(t *testing.T) {
 		}
 	}}
 	errHook := &rtErrs{}
-	_, engShort := rvProxied(t, e, 2*time.Second, func(o *redis.Options) { o.ReadTimeout = 100 * time.Millisecond }, hook, errHook)
-	_, engCtl := rvProxied(t, e, 2*time.Second, nil)
-	short := rvSem(t, engShort, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	ctl := rvSem(t, engCtl, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+	_, engShort := leasetest.Proxied(t, e, 2*time.Second, func(o *redis.Options) { o.ReadTimeout = 100 * time.Millisecond }, hook, errHook)
+	_, engCtl := leasetest.Proxied(t, e, 2*time.Second, nil)
+	short := leasetest.SemOn(t, engShort, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	ctl := leasetest.SemOn(t, engCtl, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 	wake := func(s *lease.Semaphore, key string) time.Duration {
 		held, err := b.Acquire(ctx, key)
 		require.NoError(t, err)
@@ -321,7 +309,7 @@ func TestReviewTombShortReadTimeout(t *testing.T) {
 				_ = l.Release(ctx)
 			}
 		}()
-		rwQueued(t, e, key, 1)
+		e.Queued(t, key, 1)
 		time.Sleep(700 * time.Millisecond)
 		start := time.Now()
 		require.NoError(t, held.Release(ctx))

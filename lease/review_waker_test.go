@@ -21,6 +21,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -31,22 +32,22 @@ type rwCount struct {
 	blpops, kicks, keeps, calls atomic.Int64
 }
 
-func (c *rwCount) hook() rvHook {
-	return rvHook{
-		before: func(cmd redis.Cmder) {
+func (c *rwCount) hook() leasetest.Hook {
+	return leasetest.Hook{
+		Before: func(cmd redis.Cmder) {
 			c.calls.Add(1)
 			switch {
 			case cmd.Name() == "blpop":
 				c.blpops.Add(1)
-			case rvIsKeep(cmd):
+			case leasetest.IsKeep(cmd):
 				c.keeps.Add(1)
 			default:
-				if _, ks := rvScriptArgs(cmd); len(ks) == 1 && strings.Contains(ks[0], ":lease:wake:") {
+				if _, ks := leasetest.ScriptArgs(cmd); len(ks) == 1 && strings.Contains(ks[0], ":lease:wake:") {
 					c.kicks.Add(1)
 				}
 			}
 		},
-		after: func(cmd redis.Cmder, took time.Duration) {
+		After: func(cmd redis.Cmder, took time.Duration) {
 			// cmd.Err() is set only after the hooks have run: a
 			// BLPOP with neither a value nor the time it was given
 			// ended in an error.
@@ -67,10 +68,10 @@ type rwProc struct {
 	scn  *wakeScene // for blocked()
 }
 
-func rwNewProc(t *testing.T, e *env, tag string, n int, ttl, poll, latency time.Duration, tweak func(*redis.Options), opts ...lease.Option) (*rwProc, func(time.Duration), func()) {
+func rwNewProc(t *testing.T, e *leasetest.Env, tag string, n int, ttl, poll, latency time.Duration, tweak func(*redis.Options), opts ...lease.Option) (*rwProc, func(time.Duration), func()) {
 	t.Helper()
-	p := &rwProc{name: strings.ReplaceAll(e.prefix, ":", "-") + tag, cnt: &rwCount{}}
-	px, eng := rvProxied(t, e, 5*time.Second, func(o *redis.Options) {
+	p := &rwProc{name: strings.ReplaceAll(e.Prefix, ":", "-") + tag, cnt: &rwCount{}}
+	px, eng := leasetest.Proxied(t, e, 5*time.Second, func(o *redis.Options) {
 		o.ClientName = p.name
 		if tweak != nil {
 			tweak(o)
@@ -78,15 +79,9 @@ func rwNewProc(t *testing.T, e *env, tag string, n int, ttl, poll, latency time.
 	}, p.cnt.hook())
 	px.SetLatency(latency)
 	p.eng = eng
-	p.sem = rvSem(t, eng, n, append([]lease.Option{lease.WithTTL(ttl), lease.WithPollInterval(poll)}, opts...)...)
+	p.sem = leasetest.SemOn(t, eng, n, append([]lease.Option{lease.WithTTL(ttl), lease.WithPollInterval(poll)}, opts...)...)
 	p.scn = &wakeScene{e: e, name: p.name}
 	return p, px.SetLatency, px.Sever
-}
-
-// rwQueued waits until subject's queue holds want waiters.
-func rwQueued(t *testing.T, e *env, subject string, want int64) {
-	t.Helper()
-	waitFor(t, func() bool { return e.rdb.ZCard(context.Background(), e.key(subject, "q")).Val() == want })
 }
 
 // TestReviewWakerBurstRelease: process A (40 ms round trips) waits on 40
@@ -96,11 +91,11 @@ func rwQueued(t *testing.T, e *env, subject string, want int64) {
 // released together take 40 sequential reads). Judged against a control
 // in the same run: one key alone, released the same way.
 func TestReviewWakerBurstRelease(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const keys, poll, ttl = 40, 10 * time.Second, 60 * time.Second
 	a, _, _ := rwNewProc(t, e, "a", 1, ttl, poll, 20*time.Millisecond, nil)
-	b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 	require.NoError(t, a.sem.Load(ctx))
 
 	round := func(n int, tag string) (took []time.Duration) {
@@ -126,7 +121,7 @@ func TestReviewWakerBurstRelease(t *testing.T) {
 			}()
 		}
 		for k := range n {
-			rwQueued(t, e, fmt.Sprint(tag, k), 1)
+			e.Queued(t, fmt.Sprint(tag, k), 1)
 		}
 		time.Sleep(1500 * time.Millisecond) // past the kicks; a read names every key
 		start := time.Now()
@@ -164,7 +159,7 @@ func TestReviewWakerBurstRelease(t *testing.T) {
 // (a wake-up missed); kicks and BLPOPs per lease stay bounded; no process
 // ever has two connections blocked at once; nothing left after Close.
 func TestReviewWakerChurn(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const n, keys, poll, ttl, run = 2, 24, 10 * time.Second, 30 * time.Second, 6 * time.Second
 	a, _, _ := rwNewProc(t, e, "a", n, ttl, poll, 0, nil)
@@ -184,8 +179,8 @@ func TestReviewWakerChurn(t *testing.T) {
 	var idMu sync.Mutex
 	ids := map[string]string{}
 	for _, p := range procs {
-		p.eng.Client().(*redis.Client).AddHook(rvHook{before: func(cmd redis.Cmder) {
-			if argv, _ := rvScriptArgs(cmd); len(argv) > 0 {
+		p.eng.Client().(*redis.Client).AddHook(leasetest.Hook{Before: func(cmd redis.Cmder) {
+			if argv, _ := leasetest.ScriptArgs(cmd); len(argv) > 0 {
 				idMu.Lock()
 				ids[fmt.Sprint(argv[0])] = p.name[len(p.name)-1:]
 				idMu.Unlock()
@@ -209,7 +204,7 @@ func TestReviewWakerChurn(t *testing.T) {
 			viols = append(viols, fmt.Sprintf("key %s: %d believed holders %v", key, len(believed[key]), believed[key]))
 		}
 		mu.Unlock()
-		left, err := e.redisLeft(ctx, key)
+		left, err := redisLeft(ctx, e, key)
 		if err == nil {
 			if _, ok := left[l.Token()]; !ok {
 				select {
@@ -302,7 +297,7 @@ func TestReviewWakerChurn(t *testing.T) {
 		require.NoError(t, p.sem.Close(cctx))
 		cancel()
 	}
-	rvSettled(t, 3*time.Second)
+	leasetest.Settled(t, 3*time.Second)
 
 	mu.Lock()
 	defer mu.Unlock()
@@ -321,8 +316,8 @@ func TestReviewWakerChurn(t *testing.T) {
 	}
 	for k := range keys {
 		key := fmt.Sprint("k", k)
-		if hs := e.rdb.ZRangeWithScores(ctx, e.key(key, "h"), 0, -1).Val(); len(hs) > 0 {
-			toks := e.rdb.HGetAll(ctx, e.key(key, "t")).Val()
+		if hs := e.Rdb.ZRangeWithScores(ctx, e.Key(key, "h"), 0, -1).Val(); len(hs) > 0 {
+			toks := e.Rdb.HGetAll(ctx, e.Key(key, "t")).Val()
 			for _, h := range hs {
 				id := fmt.Sprint(h.Member)
 				tok := toks[id]
@@ -330,8 +325,8 @@ func TestReviewWakerChurn(t *testing.T) {
 				t.Errorf("key %s: holder %s (token %s, handed to a worker: %v) left after Close; procs' ids: %v", key, id, tok, handed, procIDs())
 			}
 		}
-		require.Zero(t, e.rdb.ZCard(ctx, e.key(key, "h")).Val(), "holders of %s after Close", key)
-		require.Zero(t, e.rdb.ZCard(ctx, e.key(key, "q")).Val(), "queue of %s after Close", key)
+		require.Zero(t, e.Rdb.ZCard(ctx, e.Key(key, "h")).Val(), "holders of %s after Close", key)
+		require.Zero(t, e.Rdb.ZCard(ctx, e.Key(key, "q")).Val(), "queue of %s after Close", key)
 	}
 }
 
@@ -344,11 +339,11 @@ func TestReviewWakerChurn(t *testing.T) {
 // while calls hold every token, then sleeps a second before trying again.
 // Control: the same release with the load stopped.
 func TestReviewWakerBusyPool(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const poll, ttl = 10 * time.Second, 30 * time.Second
 	a, _, _ := rwNewProc(t, e, "a", 1, ttl, poll, 20*time.Millisecond, func(o *redis.Options) { o.PoolSize = 4 })
-	b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 
 	wakeOnce := func(key string) time.Duration {
 		held, err := b.Acquire(ctx, key)
@@ -361,7 +356,7 @@ func TestReviewWakerBusyPool(t *testing.T) {
 				_ = l.Release(ctx)
 			}
 		}()
-		rwQueued(t, e, key, 1)
+		e.Queued(t, key, 1)
 		time.Sleep(1500 * time.Millisecond)
 		start := time.Now()
 		require.NoError(t, held.Release(ctx))
@@ -416,16 +411,16 @@ func TestReviewWakerBusyPool(t *testing.T) {
 func TestReviewWakerCloseWhileKickOut(t *testing.T) {
 	for round := range 3 {
 		t.Run(fmt.Sprint(round), func(t *testing.T) {
-			e := newEnv(t)
+			e := leasetest.NewEnv(t)
 			ctx := context.Background()
 			const poll, ttl = 10 * time.Second, 30 * time.Second
 			kicking := make(chan struct{}, 1)
 			var armed atomic.Bool
 			tag := fmt.Sprint("a", round)
-			name := strings.ReplaceAll(e.prefix, ":", "-") + tag
+			name := strings.ReplaceAll(e.Prefix, ":", "-") + tag
 			cnt := &rwCount{}
-			px, eng := rvProxied(t, e, 5*time.Second, func(o *redis.Options) { o.ClientName = name }, cnt.hook(), rvHook{before: func(cmd redis.Cmder) {
-				if _, ks := rvScriptArgs(cmd); len(ks) == 1 && strings.Contains(ks[0], ":lease:wake:") && armed.CompareAndSwap(true, false) {
+			px, eng := leasetest.Proxied(t, e, 5*time.Second, func(o *redis.Options) { o.ClientName = name }, cnt.hook(), leasetest.Hook{Before: func(cmd redis.Cmder) {
+				if _, ks := leasetest.ScriptArgs(cmd); len(ks) == 1 && strings.Contains(ks[0], ":lease:wake:") && armed.CompareAndSwap(true, false) {
 					kicking <- struct{}{}
 					time.Sleep(150 * time.Millisecond)
 				}
@@ -433,7 +428,7 @@ func TestReviewWakerCloseWhileKickOut(t *testing.T) {
 			px.SetLatency(20 * time.Millisecond)
 			s, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 			require.NoError(t, err)
-			b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+			b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 			errs := make(chan error, 9)
 			for k := range 9 {
 				_, err := b.Acquire(ctx, fmt.Sprint("k", k))
@@ -441,7 +436,7 @@ func TestReviewWakerCloseWhileKickOut(t *testing.T) {
 			}
 			for k := range 8 {
 				go func() { _, err := s.Acquire(ctx, fmt.Sprint("k", k)); errs <- err }()
-				rwQueued(t, e, fmt.Sprint("k", k), 1)
+				e.Queued(t, fmt.Sprint("k", k), 1)
 			}
 			time.Sleep(1200 * time.Millisecond) // a read names all eight
 			armed.Store(true)
@@ -461,11 +456,11 @@ func TestReviewWakerCloseWhileKickOut(t *testing.T) {
 			}
 			require.Less(t, took, 3*time.Second, "Close took %v (poll %v)", took, poll)
 			require.NoError(t, b.Close(ctx))
-			rvSettled(t, 3*time.Second)
+			leasetest.Settled(t, 3*time.Second)
 			time.Sleep(200 * time.Millisecond)
 			for k := range 9 {
 				key := fmt.Sprint("k", k)
-				require.Zero(t, e.rdb.ZCard(ctx, e.key(key, "q")).Val(), "queue of %s after Close", key)
+				require.Zero(t, e.Rdb.ZCard(ctx, e.Key(key, "q")).Val(), "queue of %s after Close", key)
 			}
 			t.Logf("Close took %v; kicks %d, BLPOPs %d", took, cnt.kicks.Load(), cnt.blpops.Load())
 		})
@@ -478,11 +473,11 @@ func TestReviewWakerCloseWhileKickOut(t *testing.T) {
 // errors: about one a second), with no kick storm; once Redis is back, a
 // release must wake A's waiter within a few round trips, as before.
 func TestReviewWakerRedisAway(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const poll, ttl = 10 * time.Second, 30 * time.Second
 	a, _, sever := rwNewProc(t, e, "a", 1, ttl, poll, 0, nil)
-	b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 	held := make([]*lease.Lease, 6)
 	got := make(chan time.Time, 6)
 	for k := range held {
@@ -496,12 +491,12 @@ func TestReviewWakerRedisAway(t *testing.T) {
 				_ = l.Release(ctx)
 			}
 		}()
-		rwQueued(t, e, fmt.Sprint("k", k), 1)
+		e.Queued(t, fmt.Sprint("k", k), 1)
 	}
 	time.Sleep(1200 * time.Millisecond)
 
 	b0, k0, e0 := a.cnt.blpops.Load(), a.cnt.kicks.Load(), rwBlpopErr.Load()
-	require.NoError(t, e.rdb.Do(ctx, "client", "pause", "2500", "all").Err())
+	require.NoError(t, e.Rdb.Do(ctx, "client", "pause", "2500", "all").Err())
 	time.Sleep(2600 * time.Millisecond)
 	b1, k1 := a.cnt.blpops.Load(), a.cnt.kicks.Load()
 	t.Logf("paused 2.5 s: BLPOPs %d, kicks %d", b1-b0, k1-k0)
@@ -526,7 +521,7 @@ func TestReviewWakerRedisAway(t *testing.T) {
 		}
 	}
 	require.NoError(t, a.sem.Close(ctx))
-	rvSettled(t, 3*time.Second)
+	leasetest.Settled(t, 3*time.Second)
 }
 
 // TestReviewWakerBeyond512: A waits on 600 keys at once (more than one
@@ -534,11 +529,11 @@ func TestReviewWakerRedisAway(t *testing.T) {
 // must be served, long before the 10 s poll; kicks stay bounded (none for
 // keys left out of a full read), and A never blocks on two connections.
 func TestReviewWakerBeyond512(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const keys, poll, ttl = 600, 10 * time.Second, 60 * time.Second
 	a, _, _ := rwNewProc(t, e, "a", 1, ttl, poll, 0, nil)
-	b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 	held := make([]*lease.Lease, keys)
 	for k := range keys {
 		var err error
@@ -561,7 +556,7 @@ func TestReviewWakerBeyond512(t *testing.T) {
 		}()
 	}
 	for k := range keys {
-		rwQueued(t, e, fmt.Sprint("k", k), 1)
+		e.Queued(t, fmt.Sprint("k", k), 1)
 	}
 	time.Sleep(1500 * time.Millisecond)
 	k0 := a.cnt.kicks.Load()

@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -23,7 +24,7 @@ import (
 // process A (a client of PoolSize 4 named name, poll interval poll) has a
 // waiter in the queue of each.
 type wakeScene struct {
-	e     *env
+	e     *leasetest.Env
 	name  string
 	held  []*lease.Lease
 	out   chan wakeGot
@@ -39,27 +40,27 @@ type wakeGot struct {
 
 func newWakeScene(t *testing.T, keys int, poll time.Duration, maxLists int) *wakeScene {
 	t.Helper()
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
-	w := &wakeScene{e: e, name: strings.ReplaceAll(e.prefix, ":", "-") + "waiter", out: make(chan wakeGot, keys)}
-	opts := e.srv.Options()
+	w := &wakeScene{e: e, name: strings.ReplaceAll(e.Prefix, ":", "-") + "waiter", out: make(chan wakeGot, keys)}
+	opts := e.Srv.Options()
 	opts.PoolSize = 4 // blocking reads may take 2
 	opts.ClientName = w.name
 	rdb := redis.NewClient(opts)
 	t.Cleanup(func() { _ = rdb.Close() })
-	rdb.AddHook(rvHook{before: func(cmd redis.Cmder) {
-		if _, ks := rvScriptArgs(cmd); len(ks) == 1 && strings.Contains(ks[0], ":lease:wake:") {
+	rdb.AddHook(leasetest.Hook{Before: func(cmd redis.Cmder) {
+		if _, ks := leasetest.ScriptArgs(cmd); len(ks) == 1 && strings.Contains(ks[0], ":lease:wake:") {
 			w.kicks.Add(1)
 		}
 	}})
-	engA, err := throttle.New(rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second))
+	engA, err := throttle.New(rdb, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(5*time.Second))
 	require.NoError(t, err)
 	const ttl = 60 * time.Second
-	a := rvSem(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	a := leasetest.SemOn(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	if maxLists > 0 {
 		lease.SetMaxWakeLists(a, maxLists)
 	}
-	b := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 	w.held = make([]*lease.Lease, keys)
 	for k := range keys {
 		w.held[k], err = b.Acquire(ctx, fmt.Sprint("k", k))
@@ -80,7 +81,7 @@ func newWakeScene(t *testing.T, keys int, poll time.Duration, maxLists int) *wak
 	}
 	for k := range keys { // every waiter in the queue
 		require.Eventually(t, func() bool {
-			return e.rdb.ZCard(ctx, e.key(fmt.Sprint("k", k), "q")).Val() == 1
+			return e.Rdb.ZCard(ctx, e.Key(fmt.Sprint("k", k), "q")).Val() == 1
 		}, 10*time.Second, 5*time.Millisecond)
 	}
 	return w
@@ -104,7 +105,7 @@ var blockedFlag = regexp.MustCompile(` flags=[a-zA-Z]*b`)
 
 // blocked counts A's connections blocked (in BLPOP).
 func (w *wakeScene) blocked(t *testing.T) int {
-	list, err := w.e.rdb.ClientList(context.Background()).Result()
+	list, err := w.e.Rdb.ClientList(context.Background()).Result()
 	require.NoError(t, err)
 	n := 0
 	for _, line := range strings.Split(list, "\n") {
@@ -180,25 +181,25 @@ func TestWakeUpsShortReadTimeout(t *testing.T) {
 	for _, ring := range []bool{false, true} {
 		// A one-shard Ring: each key's keeper blocks on its own list.
 		t.Run(map[bool]string{false: "node", true: "ring"}[ring], func(t *testing.T) {
-			e := newEnv(t)
+			e := leasetest.NewEnv(t)
 			ctx := context.Background()
 			const rt = 300 * time.Millisecond
 			// Blocking reads that ended in an error (a Ring's), and
 			// connections dialled (a Client retries a read that timed out,
 			// on a new connection, and may answer without an error).
 			var failed, dials atomic.Int64
-			hook := rvHook{after: func(cmd redis.Cmder, _ time.Duration) {
+			hook := leasetest.Hook{After: func(cmd redis.Cmder, _ time.Duration) {
 				if cmd.Name() == "blpop" && cmd.Err() != nil && cmd.Err() != redis.Nil {
 					failed.Add(1)
 				}
 			}}
 			var rdb redis.UniversalClient
 			if ring {
-				r := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": e.srv.Addr}, ReadTimeout: rt, ContextTimeoutEnabled: true})
+				r := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": e.Srv.Addr}, ReadTimeout: rt, ContextTimeoutEnabled: true})
 				r.AddHook(hook)
 				rdb = r
 			} else {
-				opts := e.srv.Options()
+				opts := e.Srv.Options()
 				opts.ReadTimeout = rt
 				c := redis.NewClient(opts)
 				c.AddHook(hook)
@@ -206,11 +207,11 @@ func TestWakeUpsShortReadTimeout(t *testing.T) {
 				rdb = c
 			}
 			t.Cleanup(func() { _ = rdb.Close() })
-			engA, err := throttle.New(rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second))
+			engA, err := throttle.New(rdb, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(5*time.Second))
 			require.NoError(t, err)
 			const poll = 10 * time.Second
-			a := rvSem(t, engA, 1, lease.WithTTL(60*time.Second), lease.WithPollInterval(poll))
-			b := rvSem(t, e.eng, 1, lease.WithTTL(60*time.Second))
+			a := leasetest.SemOn(t, engA, 1, lease.WithTTL(60*time.Second), lease.WithPollInterval(poll))
+			b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(60*time.Second))
 			held, err := b.Acquire(ctx, "k")
 			require.NoError(t, err)
 			got := make(chan error, 1)
@@ -221,7 +222,7 @@ func TestWakeUpsShortReadTimeout(t *testing.T) {
 				}
 				got <- err
 			}()
-			require.Eventually(t, func() bool { return e.rdb.ZCard(ctx, e.key("k", "q")).Val() == 1 }, 10*time.Second, 5*time.Millisecond)
+			require.Eventually(t, func() bool { return e.Rdb.ZCard(ctx, e.Key("k", "q")).Val() == 1 }, 10*time.Second, 5*time.Millisecond)
 			dialled := dials.Load()
 			time.Sleep(2500 * time.Millisecond)
 			require.Zero(t, failed.Load(), "blocking reads failed while a waiter waited 2.5 s")
@@ -264,14 +265,14 @@ func (d dialHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Proc
 // holds the place): it answers ErrLost, or a lease Redis holds (once
 // B's waiter has given it back, if A's waiter went back in the queue).
 func TestWakerStaleReadNotDelivered(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	const ttl = time.Second
 	var keepArmed, readArmed atomic.Pointer[func()]
-	rdbA := e.srv.Client(t)
-	rdbA.AddHook(rvHook{after: func(cmd redis.Cmder, _ time.Duration) {
-		if f := keepArmed.Load(); f != nil && rvIsKeep(cmd) && keepArmed.CompareAndSwap(f, nil) {
+	rdbA := e.Srv.Client(t)
+	rdbA.AddHook(leasetest.Hook{After: func(cmd redis.Cmder, _ time.Duration) {
+		if f := keepArmed.Load(); f != nil && leasetest.IsKeep(cmd) && keepArmed.CompareAndSwap(f, nil) {
 			(*f)()
 		}
 		if c, ok := cmd.(*redis.StringSliceCmd); ok && cmd.Name() == "blpop" && c.Err() == nil &&
@@ -281,11 +282,11 @@ func TestWakerStaleReadNotDelivered(t *testing.T) {
 			}
 		}
 	}})
-	engA, err := throttle.New(rdbA, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second))
+	engA, err := throttle.New(rdbA, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(5*time.Second))
 	require.NoError(t, err)
 	opts := []lease.Option{lease.WithTTL(ttl), lease.WithPollInterval(100 * time.Millisecond)}
-	a := rvSem(t, engA, 1, opts...)
-	b := rvSem(t, e.eng, 1, opts...)
+	a := leasetest.SemOn(t, engA, 1, opts...)
+	b := leasetest.SemOn(t, e.Eng, 1, opts...)
 
 	l1, gotA, gotB := queueAThenB(t, e, ctx, a, b)
 	time.Sleep(200 * time.Millisecond) // A's waker reads {k}'s list

@@ -1,4 +1,4 @@
-package lease_test
+package leasereview_test
 
 // Review of ff26d2a (helper-124): after Close, the pending leave calls of
 // a key's gone waiters go out side by side (at most 16 at once), and an
@@ -23,6 +23,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 )
 
 // cl45Hook is a hook on B's client, for the script calls on keys of the
@@ -56,7 +57,7 @@ func (h *cl45Hook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 }
 func (h *cl45Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		argv, keys := rvScriptArgs(cmd)
+		argv, keys := leasetest.ScriptArgs(cmd)
 		if len(argv) < 4 || len(keys) == 0 || !strings.Contains(keys[0], "partner:{") {
 			return next(ctx, cmd)
 		}
@@ -114,7 +115,7 @@ func (h *cl45Hook) snapshot() (tries, after, ran map[string]int) {
 
 // cl45Standing returns, for keys, B's ids still queued, waiting, or
 // holding (every holder but the one lease per key A holds).
-func cl45Standing(e *env, keys []string) []string {
+func cl45Standing(e *leasetest.Env, keys []string) []string {
 	var out []string
 	for _, k := range keys {
 		hs, q, w := sp45State(e, k)
@@ -145,11 +146,11 @@ func TestReviewClose45ManyKeys(t *testing.T) {
 		cErr       error
 	}
 	run := func(t *testing.T, nk, nw int) res {
-		e := newEnv(t)
+		e := leasetest.NewEnv(t)
 		ctx := context.Background()
 		h := newCl45Hook()
-		eng := rvDirect(t, e, time.Second, h)
-		a := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+		eng := leasetest.Direct(t, e, time.Second, h)
+		a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		require.NoError(t, err)
 		c, err := lease.New(eng, "other", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
@@ -170,9 +171,9 @@ func TestReviewClose45ManyKeys(t *testing.T) {
 				wt45Acquire(actx, e, b, "b", k, got)
 			}
 		}
-		waitFor(t, func() bool {
+		leasetest.WaitFor(t, func() bool {
 			for _, k := range keys {
-				if e.rdb.ZCard(ctx, e.key(k, "q")).Val() != int64(nw) {
+				if e.Rdb.ZCard(ctx, e.Key(k, "q")).Val() != int64(nw) {
 					return false
 				}
 			}
@@ -258,7 +259,7 @@ func TestReviewClose45ManyKeys(t *testing.T) {
 		assert.Less(t, many.took, ctl.took+time.Second, "Close with 50 x 10 pending leave calls, against 1")
 		assert.Less(t, many.cMax, ctl.cMax+time.Second, "C's slowest call during B's Close, against the control's")
 	}
-	rvSettled(t, 2*time.Second)
+	leasetest.Settled(t, 2*time.Second)
 }
 
 // TestReviewClose45BreakerOpenAtClose: B's gone waiters' leave calls
@@ -276,11 +277,11 @@ func TestReviewClose45ManyKeys(t *testing.T) {
 func TestReviewClose45BreakerOpenAtClose(t *testing.T) {
 	const ttl, poll, k = 3 * time.Second, 100 * time.Millisecond, 6
 	run := func(t *testing.T, waitClosed bool) (int, []string) {
-		e := newEnv(t)
+		e := leasetest.NewEnv(t)
 		ctx := context.Background()
 		h := newCl45Hook()
-		eng := rvDirect(t, e, time.Second, h)
-		a := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+		eng := leasetest.Direct(t, e, time.Second, h)
+		a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		require.NoError(t, err)
 		require.NoError(t, b.Load(ctx))
@@ -290,7 +291,7 @@ func TestReviewClose45BreakerOpenAtClose(t *testing.T) {
 		got := make(chan wt45Got, k)
 		for i := 0; i < k; i++ {
 			wt45Acquire(actx, e, b, "b", "o", got)
-			rwQueued(t, e, "o", int64(i+1))
+			e.Queued(t, "o", int64(i+1))
 		}
 		h.mode.Store(2)
 		cancel()
@@ -303,9 +304,9 @@ func TestReviewClose45BreakerOpenAtClose(t *testing.T) {
 		require.True(t, open, "B's engine's breaker after refused dials")
 		if waitClosed {
 			h.mode.Store(0)
-			waitFor(t, func() bool { o, _ := eng.Unavailable(); return !o })
+			leasetest.WaitFor(t, func() bool { o, _ := eng.Unavailable(); return !o })
 		} else {
-			waitFor(t, func() bool { _, in = eng.Unavailable(); return in > 150*time.Millisecond })
+			leasetest.WaitFor(t, func() bool { _, in = eng.Unavailable(); return in > 150*time.Millisecond })
 			h.mode.Store(0)
 		}
 		h.closing.Store(true)
@@ -340,7 +341,7 @@ func TestReviewClose45BreakerOpenAtClose(t *testing.T) {
 		assert.Equal(t, k, n, "breaker open at Close: leave calls Redis ran")
 		assert.Empty(t, left, "breaker open at Close: B's gone waiters standing in Redis once Close returned")
 	}
-	rvSettled(t, 2*time.Second)
+	leasetest.Settled(t, 2*time.Second)
 }
 
 // TestReviewClose45NoSpin: can the closed keeper loop spin? B's k
@@ -353,12 +354,12 @@ func TestReviewClose45BreakerOpenAtClose(t *testing.T) {
 // goroutine of package lease is left 2 s after.
 func TestReviewClose45NoSpin(t *testing.T) {
 	const ttl, poll, k = 3 * time.Second, 100 * time.Millisecond, 20
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	h := newCl45Hook()
 	kh := newSp45Hook()
-	eng := rvDirect(t, e, time.Second, kh, h)
-	a := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	eng := leasetest.Direct(t, e, time.Second, kh, h)
+	a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	require.NoError(t, err)
 	require.NoError(t, b.Load(ctx))
@@ -369,7 +370,7 @@ func TestReviewClose45NoSpin(t *testing.T) {
 	for i := 0; i < k; i++ {
 		wt45Acquire(actx, e, b, "b", "s", got)
 	}
-	rwQueued(t, e, "s", k)
+	e.Queued(t, "s", k)
 	kh.keep.reply = make(chan struct{})
 	kh.keep.armed.Store(true)
 	sp45Wait(t, kh.keep.caught, "the keep call refreshing B's waiters")
@@ -402,7 +403,7 @@ func TestReviewClose45NoSpin(t *testing.T) {
 	assert.Len(t, after, k, "gone waiters whose leave call was tried after Close")
 	assert.LessOrEqual(t, most, 3, "leave calls of one id after Close began")
 	require.NoError(t, first.Release(ctx))
-	rvSettled(t, 2*time.Second)
+	leasetest.Settled(t, 2*time.Second)
 }
 
 // TestReviewClose45Races: Close racing Acquire cancellations, grants and
@@ -418,10 +419,10 @@ func TestReviewClose45Races(t *testing.T) {
 	rounds := 12
 	atClose := 0
 	for round := 0; round < rounds; round++ {
-		e := newEnv(t)
+		e := leasetest.NewEnv(t)
 		ctx := context.Background()
-		a := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-		eng := rvDirect(t, e, time.Second)
+		a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+		eng := leasetest.Direct(t, e, time.Second)
 		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		require.NoError(t, err)
 		keys := make([]string, nk)
@@ -489,7 +490,7 @@ func TestReviewClose45Races(t *testing.T) {
 		assert.Zero(t, lost.Load(), "round %d: B's Release returned ErrLost (%v)", round, firstLost.Load())
 	}
 	t.Logf("%d rounds: B's ids queued or waiting in Redis at the moment Close returned (their Acquire's leave call not yet done) in %d", rounds, atClose)
-	rvSettled(t, 2*time.Second)
+	leasetest.Settled(t, 2*time.Second)
 }
 
 // TestReviewClose45FailureAfterCloseBegan: B has k gone waiters on one key
@@ -504,11 +505,11 @@ func TestReviewClose45Races(t *testing.T) {
 func TestReviewClose45FailureAfterCloseBegan(t *testing.T) {
 	const ttl, poll, k = 3 * time.Second, 100 * time.Millisecond, 3
 	run := func(t *testing.T, hold bool) (map[string]int, []string) {
-		e := newEnv(t)
+		e := leasetest.NewEnv(t)
 		ctx := context.Background()
 		h := newCl45Hook()
-		eng := rvDirect(t, e, time.Second, h)
-		a := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+		eng := leasetest.Direct(t, e, time.Second, h)
+		a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		require.NoError(t, err)
 		require.NoError(t, b.Load(ctx))
@@ -518,7 +519,7 @@ func TestReviewClose45FailureAfterCloseBegan(t *testing.T) {
 		got := make(chan wt45Got, k)
 		for i := 0; i < k; i++ {
 			wt45Acquire(actx, e, b, "b", "f", got)
-			rwQueued(t, e, "f", int64(i+1))
+			e.Queued(t, "f", int64(i+1))
 		}
 		h.mode.Store(1)
 		cancel()
@@ -556,5 +557,5 @@ func TestReviewClose45FailureAfterCloseBegan(t *testing.T) {
 		assert.Len(t, ran, k, "a call failing just after Close began: ids whose leave call Redis ran")
 		assert.Empty(t, left, "a call failing just after Close began: B's gone waiters standing in Redis once Close returned")
 	}
-	rvSettled(t, 2*time.Second)
+	leasetest.Settled(t, 2*time.Second)
 }

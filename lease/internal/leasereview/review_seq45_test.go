@@ -1,4 +1,4 @@
-package lease_test
+package leasereview_test
 
 // Review of e8dcbe7 and 9c014e6 (helper-123): numbered leaving entries
 // (gone.seq) and the keeper's leave calls with a spare token. The rigs
@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 )
 
 // TestReviewSeq45CloseDropsReplacedLeave: abandon's granted branch as in
@@ -54,15 +55,15 @@ func TestReviewSeq45CloseDropsReplacedLeave(t *testing.T) {
 // B's waiter's lease once Close returned (0: none).
 func sq45CloseAbandon(t *testing.T, keepOut bool, ttl, poll time.Duration) (string, time.Duration) {
 	t.Helper()
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	h := newSp45Hook()
 	// An error Redis answers (as a READONLY or BUSY would): it leaves the
 	// engine's breaker closed, so that the calls after it reach Redis.
-	h.leave.fail = e.rdb.Eval(ctx, "return redis.error_reply('ERR injected: leave refused')", nil).Err()
+	h.leave.fail = e.Rdb.Eval(ctx, "return redis.error_reply('ERR injected: leave refused')", nil).Err()
 	require.Error(t, h.leave.fail)
-	a := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	b := rvSem(t, rvDirect(t, e, 5*time.Second, h), 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	b := leasetest.SemOn(t, leasetest.Direct(t, e, 5*time.Second, h), 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	require.NoError(t, b.Load(ctx))
 	first, err := a.Acquire(ctx, "g")
 	require.NoError(t, err)
@@ -70,7 +71,7 @@ func sq45CloseAbandon(t *testing.T, keepOut bool, ttl, poll time.Duration) (stri
 	defer cancel()
 	got := make(chan wt45Got, 1)
 	wt45Acquire(actx, e, b, "b", "g", got)
-	rwQueued(t, e, "g", 1)
+	e.Queued(t, "g", 1)
 	if keepOut {
 		h.keep.reply = make(chan struct{})
 		h.keep.armed.Store(true)
@@ -142,7 +143,7 @@ func (c *sq45Counter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.
 }
 func (c *sq45Counter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		argv, _ := rvScriptArgs(cmd)
+		argv, _ := leasetest.ScriptArgs(cmd)
 		if len(argv) < 4 {
 			return next(ctx, cmd)
 		}
@@ -183,12 +184,12 @@ func TestReviewSeq45LeaveCallsPerWaiter(t *testing.T) {
 		last   time.Duration // latest leave call, after the first failure
 	}
 	run := func(t *testing.T, how string) res {
-		e := newEnv(t)
+		e := leasetest.NewEnv(t)
 		ctx := context.Background()
 		c := &sq45Counter{calls: map[string][]time.Duration{}, base: time.Now()}
 		kh := newSp45Hook()
-		a := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-		eng := rvDirect(t, e, 5*time.Second, kh, c)
+		a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+		eng := leasetest.Direct(t, e, 5*time.Second, kh, c)
 		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		require.NoError(t, err)
 		require.NoError(t, b.Load(ctx))
@@ -202,7 +203,7 @@ func TestReviewSeq45LeaveCallsPerWaiter(t *testing.T) {
 		got := make(chan wt45Got, n)
 		for i := 0; i < n; i++ {
 			wt45Acquire(actx, e, b, "b", "n", got)
-			rwQueued(t, e, "n", int64(i+1))
+			e.Queued(t, "n", int64(i+1))
 		}
 		if how == "keep-out" {
 			kh.keep.reply = make(chan struct{})
@@ -250,7 +251,7 @@ func TestReviewSeq45LeaveCallsPerWaiter(t *testing.T) {
 			assert.LessOrEqual(t, r.last, ctl.last+3*poll, "%s: a leave call after the TTL (control's last %v)", how, ctl.last)
 		}
 	}
-	rvSettled(t, 2*time.Second)
+	leasetest.Settled(t, 2*time.Second)
 }
 
 // sq45Hang makes B's leave calls fail (an error Redis answers) while
@@ -272,7 +273,7 @@ func (c *sq45Hang) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 }
 func (c *sq45Hang) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		argv, _ := rvScriptArgs(cmd)
+		argv, _ := leasetest.ScriptArgs(cmd)
 		id, isID := "", false
 		if len(argv) >= 4 {
 			id, isID = argv[3].(string)
@@ -314,11 +315,11 @@ func (c *sq45Hang) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 func TestReviewSeq45CloseWithLeavesOut(t *testing.T) {
 	const ttl, poll = 3 * time.Second, 100 * time.Millisecond
 	run := func(t *testing.T, k int, engTimeout time.Duration) time.Duration {
-		e := newEnv(t)
+		e := leasetest.NewEnv(t)
 		ctx := context.Background()
 		c := &sq45Hang{}
-		a := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-		b, err := lease.New(rvDirect(t, e, engTimeout, c), "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+		a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+		b, err := lease.New(leasetest.Direct(t, e, engTimeout, c), "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		require.NoError(t, err)
 		require.NoError(t, b.Load(ctx))
 		first, err := a.Acquire(ctx, "c")
@@ -327,7 +328,7 @@ func TestReviewSeq45CloseWithLeavesOut(t *testing.T) {
 		got := make(chan wt45Got, k)
 		for i := 0; i < k; i++ {
 			wt45Acquire(actx, e, b, "b", "c", got)
-			rwQueued(t, e, "c", int64(i+1))
+			e.Queued(t, "c", int64(i+1))
 		}
 		c.failing.Store(true)
 		cancel()
@@ -365,5 +366,5 @@ func TestReviewSeq45CloseWithLeavesOut(t *testing.T) {
 		many := run(t, 6, to)
 		assert.Less(t, many, ctl+time.Second, "Close with 6 leave calls hanging, against 1 (engine timeout %v)", to)
 	}
-	rvSettled(t, 2*time.Second)
+	leasetest.Settled(t, 2*time.Second)
 }

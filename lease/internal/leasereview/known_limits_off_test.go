@@ -1,6 +1,6 @@
 //go:build !slotbook_known_limits
 
-package lease_test
+package leasereview_test
 
 // knownLimits: see known_limits_test.go.
 const knownLimits = false

@@ -1,4 +1,4 @@
-package lease_test
+package leasereview_test
 
 // Adversarial review (side 5, helper-66) of d72bffe (the sweep takes a lapsed
 // lease's unread wake-up off its owner's list), 7d22105 (HoldConn on a
@@ -23,25 +23,26 @@ import (
 
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 	"github.com/slotbook/slotbook/throttle"
 )
 
-// rv5Look is rvLook on any Scripter (a Cluster client routes the probe to
+// rv5Look is leasetest.Look on any Scripter (a Cluster client routes the probe to
 // the key's node, whose TIME it reads).
-func rv5Look(ctx context.Context, rdb redis.Scripter, prefix, key string, token int64) (rvSeen, error) {
+func rv5Look(ctx context.Context, rdb redis.Scripter, prefix, key string, token int64) (leasetest.Seen, error) {
 	base := prefix + "partner:{" + key + "}:lease:"
-	v, err := rvProbe.Run(ctx, rdb, []string{base + "h", base + "t"}, fmt.Sprint(token)).Slice()
+	v, err := leasetest.Probe.Run(ctx, rdb, []string{base + "h", base + "t"}, fmt.Sprint(token)).Slice()
 	if err != nil {
-		return rvSeen{}, err
+		return leasetest.Seen{}, err
 	}
 	if len(v) != 4 {
-		return rvSeen{}, fmt.Errorf("probe reply %v", v)
+		return leasetest.Seen{}, fmt.Errorf("probe reply %v", v)
 	}
 	id, _ := v[0].(string)
 	s, _ := v[1].(int64)
 	now, _ := v[2].(int64)
 	h, _ := v[3].(int64)
-	return rvSeen{id: id, expiry: s, now: now, held: h == 1}, nil
+	return leasetest.Seen{ID: id, Expiry: s, Now: now, Held: h == 1}, nil
 }
 
 func rv5IsLost(l *lease.Lease) bool {
@@ -100,8 +101,8 @@ func (j *rv5Judge) got(ctx context.Context, key string, l *lease.Lease, before i
 	lost := rv5IsLost(l)
 	if err != nil {
 		j.viol("%s token %d: judge's probe failed: %v", key, l.Token(), err)
-	} else if (!seen.held || seen.margin() <= 0) && !lost {
-		j.viol("%s token %d: handed out, Lost open, but Redis does not hold it (held %v, margin %v)", key, l.Token(), seen.held, seen.margin())
+	} else if (!seen.Held || seen.Margin() <= 0) && !lost {
+		j.viol("%s token %d: handed out, Lost open, but Redis does not hold it (held %v, margin %v)", key, l.Token(), seen.Held, seen.Margin())
 	}
 	if l.Token() <= before {
 		j.viol("%s token %d handed out after token %d was released", key, l.Token(), before)
@@ -122,7 +123,7 @@ func (j *rv5Judge) got(ctx context.Context, key string, l *lease.Lease, before i
 		var st []string
 		for _, tok := range believed {
 			s, _ := rv5Look(ctx, j.rdb, j.prefix, key, tok)
-			st = append(st, fmt.Sprintf("%d(held %v, margin %v)", tok, s.held, s.margin()))
+			st = append(st, fmt.Sprintf("%d(held %v, margin %v)", tok, s.Held, s.Margin()))
 		}
 		j.viol("%s: %d believed holders at once, N = %d: %v", key, len(believed), j.n, st)
 	}
@@ -132,9 +133,9 @@ func (j *rv5Judge) got(ctx context.Context, key string, l *lease.Lease, before i
 // more than half its TTL left.
 func (j *rv5Judge) lost(ctx context.Context, key string, l *lease.Lease) {
 	seen, err := rv5Look(ctx, j.rdb, j.prefix, key, l.Token())
-	if err == nil && seen.held && seen.margin() > j.ttl/2 {
+	if err == nil && seen.Held && seen.Margin() > j.ttl/2 {
 		j.mu.Lock()
-		j.falseErr = append(j.falseErr, fmt.Sprintf("%s token %d: Lost closed with %v left in Redis", key, l.Token(), seen.margin()))
+		j.falseErr = append(j.falseErr, fmt.Sprintf("%s token %d: Lost closed with %v left in Redis", key, l.Token(), seen.Margin()))
 		j.mu.Unlock()
 	}
 }
@@ -273,7 +274,7 @@ func TestReviewLease5ClusterSmallPool(t *testing.T) {
 	}
 	closeTook := time.Since(t0)
 	closing.Wait()
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 	t.Logf("Close took %v", closeTook)
 
 	require.Empty(t, j.errs, "Acquire errors on a healthy cluster")
@@ -297,24 +298,24 @@ func TestReviewLease5ClusterSmallPool(t *testing.T) {
 // leave call), B releases often. Judge: every hand-out held by Redis, at
 // most N believed holders, tokens increasing.
 func TestReviewLease5StaleWakeupsChurn(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	const ttl, poll, run = 600 * time.Millisecond, 60 * time.Millisecond, 10 * time.Second
 	var slowOn atomic.Bool
 	var slowed atomic.Int64
-	rdbA := e.srv.Client(t)
-	rdbA.AddHook(rvHook{after: func(cmd redis.Cmder, _ time.Duration) {
-		if slowOn.Load() && rvIsKeep(cmd) && rand.Intn(6) == 0 {
+	rdbA := e.Srv.Client(t)
+	rdbA.AddHook(leasetest.Hook{After: func(cmd redis.Cmder, _ time.Duration) {
+		if slowOn.Load() && leasetest.IsKeep(cmd) && rand.Intn(6) == 0 {
 			slowed.Add(1)
 			time.Sleep(ttl + ttl/3)
 		}
 	}})
-	engA, err := throttle.New(rdbA, throttle.WithPrefix(e.prefix), throttle.WithTimeout(5*time.Second))
+	engA, err := throttle.New(rdbA, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(5*time.Second))
 	require.NoError(t, err)
 	opts := []lease.Option{lease.WithTTL(ttl), lease.WithPollInterval(poll)}
-	a := rvSem(t, engA, 2, opts...)
-	b := rvSem(t, rvDirect(t, e, 5*time.Second), 2, opts...)
-	c := rvSem(t, rvDirect(t, e, 5*time.Second), 2, opts...)
-	j := rv5NewJudge(t, e.rdb, e.prefix, 2, ttl)
+	a := leasetest.SemOn(t, engA, 2, opts...)
+	b := leasetest.SemOn(t, leasetest.Direct(t, e, 5*time.Second), 2, opts...)
+	c := leasetest.SemOn(t, leasetest.Direct(t, e, 5*time.Second), 2, opts...)
+	j := rv5NewJudge(t, e.Rdb, e.Prefix, 2, ttl)
 	ctx := context.Background()
 	end := time.Now().Add(run)
 	slowOn.Store(true)
@@ -370,7 +371,7 @@ func TestReviewLease5StaleWakeupsChurn(t *testing.T) {
 		require.NoError(t, s.Close(cctx))
 		cancel()
 	}
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 	t.Logf("goroutines before Close %d, after %d", g0, runtime.NumGoroutine())
 }
 
@@ -392,14 +393,14 @@ func TestReviewLease5LatencyLostReplies(t *testing.T) {
 }
 
 func rv5Latency(t *testing.T, bursts bool) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	const ttl, keys, per, run = 3 * time.Second, 6, 2, 7 * time.Second
 	var proxies []*redistest.Proxy
 	var sems []*lease.Semaphore
 	var slowMu sync.Mutex
 	var slow []string
 	t0 := time.Now()
-	slowHook := rvHook{after: func(cmd redis.Cmder, took time.Duration) {
+	slowHook := leasetest.Hook{After: func(cmd redis.Cmder, took time.Duration) {
 		if took > 300*time.Millisecond && cmd.Name() != "blpop" {
 			slowMu.Lock()
 			if len(slow) < 15 {
@@ -409,10 +410,10 @@ func rv5Latency(t *testing.T, bursts bool) {
 		}
 	}}
 	for range 2 {
-		p, eng := rvProxied(t, e, 400*time.Millisecond, func(o *redis.Options) { o.PoolSize = 3 }, slowHook)
+		p, eng := leasetest.Proxied(t, e, 400*time.Millisecond, func(o *redis.Options) { o.PoolSize = 3 }, slowHook)
 		p.SetLatency(40 * time.Millisecond)
 		proxies = append(proxies, p)
-		sems = append(sems, rvSem(t, eng, 2, lease.WithTTL(ttl)))
+		sems = append(sems, leasetest.SemOn(t, eng, 2, lease.WithTTL(ttl)))
 	}
 	ctx := context.Background()
 	// Warm up: scripts loaded, so that no first call pays for NOSCRIPT
@@ -424,7 +425,7 @@ func rv5Latency(t *testing.T, bursts bool) {
 	slowMu.Lock()
 	slow = nil
 	slowMu.Unlock()
-	j := rv5NewJudge(t, e.rdb, e.prefix, 2, ttl)
+	j := rv5NewJudge(t, e.Rdb, e.Prefix, 2, ttl)
 	end := time.Now().Add(run)
 	var wg sync.WaitGroup
 	var tolerated sync.Map
@@ -493,5 +494,5 @@ func rv5Latency(t *testing.T, bursts bool) {
 		require.NoError(t, s.Close(cctx))
 		cancel()
 	}
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 }

@@ -1,4 +1,4 @@
-package lease_test
+package leasereview_test
 
 // Review of e8dcbe7 (helper-122): a keep call's leave call for a waiter
 // granted and released while the call was out carries the released
@@ -25,6 +25,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 )
 
 // sp45Rel tags the test's Release calls (and Close's), so that the hook
@@ -101,7 +102,7 @@ func (h *sp45Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 			}
 			return err
 		}
-		argv, _ := rvScriptArgs(cmd)
+		argv, _ := leasetest.ScriptArgs(cmd)
 		if len(argv) < 4 {
 			return next(ctx, cmd)
 		}
@@ -174,16 +175,16 @@ func sp45Wait[T any](t *testing.T, ch <-chan T, what string) T {
 
 // sp45State returns the ids in key's holders (with the time Redis holds
 // each for), queue and waiters sets.
-func sp45State(e *env, key string) (h map[string]time.Duration, q, w []string) {
+func sp45State(e *leasetest.Env, key string) (h map[string]time.Duration, q, w []string) {
 	ctx := context.Background()
-	now := rv3Now(e.rdb)
-	zs, _ := e.rdb.ZRangeWithScores(ctx, e.key(key, "h"), 0, -1).Result()
+	now := leasetest.RedisNow(e.Rdb)
+	zs, _ := e.Rdb.ZRangeWithScores(ctx, e.Key(key, "h"), 0, -1).Result()
 	h = map[string]time.Duration{}
 	for _, z := range zs {
-		h[fmt.Sprint(z.Member)] = rv3Ms(int64(z.Score) - now)
+		h[fmt.Sprint(z.Member)] = leasetest.Ms(int64(z.Score) - now)
 	}
-	q, _ = e.rdb.ZRange(ctx, e.key(key, "q"), 0, -1).Result()
-	w, _ = e.rdb.ZRange(ctx, e.key(key, "w"), 0, -1).Result()
+	q, _ = e.Rdb.ZRange(ctx, e.Key(key, "q"), 0, -1).Result()
+	w, _ = e.Rdb.ZRange(ctx, e.Key(key, "w"), 0, -1).Result()
 	return h, q, w
 }
 
@@ -217,7 +218,7 @@ func TestReviewSpare45Orders(t *testing.T) {
 }
 
 func sp45Order(t *testing.T, order, mode string, withC bool, ttl, poll time.Duration) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	h := newSp45Hook()
 	switch mode {
@@ -226,8 +227,8 @@ func sp45Order(t *testing.T, order, mode string, withC bool, ttl, poll time.Dura
 	case "unsent":
 		h.rel.fail = sp45NotSent
 	}
-	a := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	b := rvSem(t, rvDirect(t, e, 5*time.Second, h), 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	b := leasetest.SemOn(t, leasetest.Direct(t, e, 5*time.Second, h), 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	require.NoError(t, b.Load(ctx))
 	first, err := a.Acquire(ctx, "o")
 	require.NoError(t, err)
@@ -235,7 +236,7 @@ func sp45Order(t *testing.T, order, mode string, withC bool, ttl, poll time.Dura
 	defer cancel()
 	got := make(chan wt45Got, 1)
 	wt45Acquire(actx, e, b, "b", "o", got)
-	rwQueued(t, e, "o", 1)
+	e.Queued(t, "o", 1)
 	var released atomic.Bool // B's Release has been called
 	type cGot struct {
 		l      *lease.Lease
@@ -244,12 +245,12 @@ func sp45Order(t *testing.T, order, mode string, withC bool, ttl, poll time.Dura
 	}
 	cgot := make(chan cGot, 1)
 	if withC {
-		c := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+		c := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		go func() {
 			l, err := c.Acquire(actx, "o")
 			cgot <- cGot{l, err, !released.Load()}
 		}()
-		rwQueued(t, e, "o", 2)
+		e.Queued(t, "o", 2)
 	}
 	h.keep.reply = make(chan struct{})
 	h.keep.armed.Store(true)
@@ -272,7 +273,7 @@ func sp45Order(t *testing.T, order, mode string, withC bool, ttl, poll time.Dura
 			require.NoError(t, g.err)
 			l = g.l
 		case 'R':
-			exp0 = rvLook(ctx, e.rdb, e, "o", l.Token()).expiry
+			exp0 = leasetest.Look(ctx, e.Rdb, e, "o", l.Token()).Expiry
 			released.Store(true)
 			go func() { relErr <- l.Release(context.WithValue(ctx, sp45Rel{}, true)) }()
 			sp45Wait(t, h.rel.caught, "B's release call")
@@ -297,9 +298,9 @@ func sp45Order(t *testing.T, order, mode string, withC bool, ttl, poll time.Dura
 		assert.Error(t, rerr)
 		assert.NotErrorIs(t, rerr, lease.ErrLost, "Release of a lease Redis held until its release call")
 	}
-	seen := rvLook(ctx, e.rdb, e, "o", l.Token())
-	if seen.held {
-		assert.LessOrEqual(t, seen.expiry, exp0, "B's released lease extended after its Release")
+	seen := leasetest.Look(ctx, e.Rdb, e, "o", l.Token())
+	if seen.Held {
+		assert.LessOrEqual(t, seen.Expiry, exp0, "B's released lease extended after its Release")
 	}
 	var c cGot
 	if withC && (mode != "unsent") {
@@ -311,10 +312,10 @@ func sp45Order(t *testing.T, order, mode string, withC bool, ttl, poll time.Dura
 	// Within a poll of the last event: only the believed holders.
 	believed := map[string]bool{}
 	if c.l != nil {
-		believed[rvLook(ctx, e.rdb, e, "o", c.l.Token()).id] = true
+		believed[leasetest.Look(ctx, e.Rdb, e, "o", c.l.Token()).ID] = true
 	}
 	if mode == "unsent" {
-		believed[seen.id] = true // lapses at its TTL, unextended (checked above)
+		believed[seen.ID] = true // lapses at its TTL, unextended (checked above)
 	}
 	deadline := time.Now().Add(poll)
 	for {
@@ -334,7 +335,7 @@ func sp45Order(t *testing.T, order, mode string, withC bool, ttl, poll time.Dura
 		}
 		if time.Now().After(deadline) {
 			t.Errorf("a poll after the last event: holders nobody believes they hold %v (B's lease %d: %v), queue %v, waiters %v; spare leave calls %d",
-				stray, l.Token(), seen.id, q, w, h.spares.Load())
+				stray, l.Token(), seen.ID, q, w, h.spares.Load())
 			break
 		}
 		time.Sleep(5 * time.Millisecond)
@@ -392,12 +393,12 @@ func TestReviewSpare45AbandonGrantedLeaveFails(t *testing.T) {
 // caller: no case).
 func sp45Abandon(t *testing.T, keepOut bool, ttl, poll time.Duration) (time.Duration, string) {
 	t.Helper()
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	h := newSp45Hook()
 	h.leave.fail = sp45NotSent
-	a := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	b := rvSem(t, rvDirect(t, e, 5*time.Second, h), 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	b := leasetest.SemOn(t, leasetest.Direct(t, e, 5*time.Second, h), 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	require.NoError(t, b.Load(ctx))
 	first, err := a.Acquire(ctx, "g")
 	require.NoError(t, err)
@@ -405,7 +406,7 @@ func sp45Abandon(t *testing.T, keepOut bool, ttl, poll time.Duration) (time.Dura
 	defer cancel()
 	got := make(chan wt45Got, 1)
 	wt45Acquire(actx, e, b, "b", "g", got)
-	rwQueued(t, e, "g", 1)
+	e.Queued(t, "g", 1)
 	if keepOut {
 		h.keep.reply = make(chan struct{})
 		h.keep.armed.Store(true)
@@ -444,22 +445,22 @@ func sp45Abandon(t *testing.T, keepOut bool, ttl, poll time.Duration) (time.Dura
 	}
 	close(h.leave.open)
 	require.ErrorIs(t, sp45Wait(t, h.leave.ran, "abandon's leave call"), sp45NotSent)
-	failed := rv3Now(e.rdb)
+	failed := leasetest.RedisNow(e.Rdb)
 	require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, context.Canceled) // abandon has handed its leave call to the keeper
 	if keepOut {
 		close(h.spare.open)
 		require.NoError(t, sp45Wait(t, h.spare.ran, "the keeper's leave call"))
 	}
-	other := rvSem(t, e.eng, 1, lease.WithTTL(ttl))
+	other := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 	for {
 		l, ok, err := other.TryAcquire(ctx, "g")
 		require.NoError(t, err)
 		if ok {
-			took := rv3Ms(rv3Now(e.rdb) - failed)
+			took := leasetest.Ms(leasetest.RedisNow(e.Rdb) - failed)
 			require.NoError(t, l.Release(ctx))
 			return took, branch
 		}
-		if d := rv3Ms(rv3Now(e.rdb) - failed); d > ttl+time.Second {
+		if d := leasetest.Ms(leasetest.RedisNow(e.Rdb) - failed); d > ttl+time.Second {
 			t.Fatalf("key still full %v after the failed leave call", d)
 		}
 		time.Sleep(10 * time.Millisecond)
@@ -487,12 +488,12 @@ func TestReviewSpare45LapseWhileKeepOut(t *testing.T) {
 		for _, release := range []bool{false, true} {
 			t.Run(fmt.Sprintf("%s/release=%v", how, release), func(t *testing.T) {
 				runs++
-				e := newEnv(t)
+				e := leasetest.NewEnv(t)
 				ctx := context.Background()
 				h := newSp45Hook()
-				a := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-				b := rvSem(t, rvDirect(t, e, 5*time.Second, h), 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-				c := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+				a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+				b := leasetest.SemOn(t, leasetest.Direct(t, e, 5*time.Second, h), 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+				c := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 				require.NoError(t, b.Load(ctx))
 				first, err := a.Acquire(ctx, "z")
 				require.NoError(t, err)
@@ -500,7 +501,7 @@ func TestReviewSpare45LapseWhileKeepOut(t *testing.T) {
 				defer cancel()
 				got := make(chan wt45Got, 1)
 				wt45Acquire(actx, e, b, "b", "z", got)
-				rwQueued(t, e, "z", 1)
+				e.Queued(t, "z", 1)
 				var bl atomic.Pointer[lease.Lease]
 				type cGot struct {
 					l      *lease.Lease
@@ -513,7 +514,7 @@ func TestReviewSpare45LapseWhileKeepOut(t *testing.T) {
 					b := bl.Load()
 					cgot <- cGot{l, err, b == nil || !rv5IsLost(b)}
 				}()
-				rwQueued(t, e, "z", 2)
+				e.Queued(t, "z", 2)
 				h.keep.reply = make(chan struct{})
 				h.keep.armed.Store(true)
 				sp45Wait(t, h.keep.caught, "the keep call refreshing B's waiter")
@@ -544,7 +545,7 @@ func TestReviewSpare45LapseWhileKeepOut(t *testing.T) {
 				cg := sp45Wait(t, cgot, "C's Acquire")
 				require.NoError(t, cg.err)
 				assert.False(t, cg.before, "C granted while B's lease was believed held (Lost open)")
-				cid := rvLook(ctx, e.rdb, e, "z", cg.l.Token()).id
+				cid := leasetest.Look(ctx, e.Rdb, e, "z", cg.l.Token()).ID
 				deadline := time.Now().Add(poll)
 				for {
 					hs, q, w := sp45State(e, "z")
@@ -587,12 +588,12 @@ func TestReviewSpare45CloseRaces(t *testing.T) {
 }
 
 func sp45Close(t *testing.T, order string, at int, ttl, poll time.Duration) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	h := newSp45Hook()
-	a, err := lease.New(e.eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	a, err := lease.New(e.Eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	require.NoError(t, err)
-	b, err := lease.New(rvDirect(t, e, 5*time.Second, h), "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	b, err := lease.New(leasetest.Direct(t, e, 5*time.Second, h), "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -607,7 +608,7 @@ func sp45Close(t *testing.T, order string, at int, ttl, poll time.Duration) {
 	defer cancel()
 	got := make(chan wt45Got, 1)
 	wt45Acquire(actx, e, b, "b", "x", got)
-	rwQueued(t, e, "x", 1)
+	e.Queued(t, "x", 1)
 	h.keep.reply = make(chan struct{})
 	h.keep.armed.Store(true)
 	h.rel.armed.Store(true)
@@ -717,5 +718,5 @@ func sp45Close(t *testing.T, order string, at int, ttl, poll time.Duration) {
 	cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
 	defer ccancel()
 	require.NoError(t, a.Close(cctx))
-	rvSettled(t, 2*time.Second)
+	leasetest.Settled(t, 2*time.Second)
 }

@@ -1,4 +1,4 @@
-package lease_test
+package leasereview_test
 
 // Review of dbfe776 (a waiter whose keeper's poll fails with WRONGTYPE
 // gets the error and leaves the queue) and fab2dc7 (holdersKey, keyBase,
@@ -21,6 +21,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -35,17 +36,17 @@ type wt45Got struct {
 
 // wt45Acquire starts an Acquire of key on s in its own goroutine and sends
 // its outcome to got.
-func wt45Acquire(ctx context.Context, e *env, s *lease.Semaphore, who, key string, got chan<- wt45Got) {
+func wt45Acquire(ctx context.Context, e *leasetest.Env, s *lease.Semaphore, who, key string, got chan<- wt45Got) {
 	go func() {
 		l, err := s.Acquire(ctx, key)
-		got <- wt45Got{who: who, l: l, err: err, at: rv3Now(e.rdb)}
+		got <- wt45Got{who: who, l: l, err: err, at: leasetest.RedisNow(e.Rdb)}
 	}()
 }
 
 // wt45Corrupt overwrites subject's part (w, q, h, ...) with a string.
-func wt45Corrupt(t *testing.T, e *env, subject, part string) {
+func wt45Corrupt(t *testing.T, e *leasetest.Env, subject, part string) {
 	t.Helper()
-	require.NoError(t, e.rdb.Set(context.Background(), e.key(subject, part), "x", 0).Err())
+	require.NoError(t, e.Rdb.Set(context.Background(), e.Key(subject, part), "x", 0).Err())
 }
 
 // TestReviewWrongType45FailedWaitersStayQueued: A's three waiters of a
@@ -66,9 +67,9 @@ func TestReviewWrongType45FailedWaitersStayQueued(t *testing.T) {
 	e, _, engA := kr44Env(t, "wt45q:")
 	ctx := context.Background()
 	const ttl, poll = 1200 * time.Millisecond, 300 * time.Millisecond
-	a := rvSem(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	b := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	c := rvSem(t, rvDirect(t, e, 5*time.Second), 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	a := leasetest.SemOn(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	c := leasetest.SemOn(t, leasetest.Direct(t, e, 5*time.Second), 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	held, err := b.Acquire(ctx, "o")
 	require.NoError(t, err)
 	actx, cancel := context.WithTimeout(ctx, 30*time.Second)
@@ -76,15 +77,15 @@ func TestReviewWrongType45FailedWaitersStayQueued(t *testing.T) {
 	got := make(chan wt45Got, 4)
 	for i := range 3 {
 		wt45Acquire(actx, e, a, fmt.Sprint("a", i), "o", got)
-		rwQueued(t, e, "o", int64(i+1))
+		e.Queued(t, "o", int64(i+1))
 	}
-	broke := rv3Now(e.rdb)
+	broke := leasetest.RedisNow(e.Rdb)
 	wt45Corrupt(t, e, "o", "w")
 	for range 3 {
 		g := <-got
 		require.Error(t, g.err, "%s", g.who)
 		assert.True(t, redis.HasErrorPrefix(g.err, "WRONGTYPE"), "%s: %v", g.who, g.err)
-		t.Logf("%s returned %v after the corruption: %v", g.who, rv3Ms(g.at-broke), g.err)
+		t.Logf("%s returned %v after the corruption: %v", g.who, leasetest.Ms(g.at-broke), g.err)
 	}
 	failed := time.Now()
 	<-held.Lost() // its extensions fail too
@@ -92,26 +93,26 @@ func TestReviewWrongType45FailedWaitersStayQueued(t *testing.T) {
 	// the queue's expiry, set by the last call that succeeded, is a TTL
 	// and a second after the waiters' last refresh. Restore in between.
 	time.Sleep(time.Until(failed.Add(ttl + poll + 150*time.Millisecond)))
-	require.NoError(t, e.rdb.Del(ctx, e.key("o", "w")).Err())
-	restored := rv3Now(e.rdb)
-	q, err := e.rdb.ZRange(ctx, e.key("o", "q"), 0, -1).Result()
+	require.NoError(t, e.Rdb.Del(ctx, e.Key("o", "w")).Err())
+	restored := leasetest.RedisNow(e.Rdb)
+	q, err := e.Rdb.ZRange(ctx, e.Key("o", "q"), 0, -1).Result()
 	require.NoError(t, err)
-	t.Logf("queue after the restore (every waiter returned its error %v ago): %q", rv3Ms(restored-broke), q)
+	t.Logf("queue after the restore (every waiter returned its error %v ago): %q", leasetest.Ms(restored-broke), q)
 
 	xctx, xcancel := context.WithTimeout(ctx, 10*time.Second)
 	defer xcancel()
 	wt45Acquire(xctx, e, c, "x", "o", got)
 	g := <-got
 	require.NoError(t, g.err)
-	waited := rv3Ms(g.at - restored)
+	waited := leasetest.Ms(g.at - restored)
 	t.Logf("a new waiter was granted the key's one lease %v after the restore (Redis clock; TTL %v)", waited, ttl)
 	// The ids of the waiters that gave up may still stand in the queue
 	// (their leave calls failed), but none may be granted the lease: the
 	// new waiter gets it within a TTL of the restore, and by then the
 	// queue holds none of them.
-	qAfter, err := e.rdb.ZRange(ctx, e.key("o", "q"), 0, -1).Result()
+	qAfter, err := e.Rdb.ZRange(ctx, e.Key("o", "q"), 0, -1).Result()
 	require.NoError(t, err)
-	holders, err := e.rdb.ZRange(ctx, e.key("o", "h"), 0, -1).Result()
+	holders, err := e.Rdb.ZRange(ctx, e.Key("o", "h"), 0, -1).Result()
 	require.NoError(t, err)
 	t.Logf("once the new waiter was served: queue %q, holders %q", qAfter, holders)
 	require.NoError(t, g.l.Release(ctx))
@@ -124,10 +125,10 @@ func TestReviewWrongType45FailedWaitersStayQueued(t *testing.T) {
 
 // wt45Gaps returns the longest gap between two keep calls of subject
 // among h's calls in [from, to): the keeper's poll as it ran in this run.
-func wt45Gaps(h *kr44Hook, e *env, subject string, from, to time.Duration) time.Duration {
+func wt45Gaps(h *kr44Hook, e *leasetest.Env, subject string, from, to time.Duration) time.Duration {
 	var last, most time.Duration
 	for _, c := range h.calls(from, to) {
-		if c.key != e.key(subject, "h") {
+		if c.key != e.Key(subject, "h") {
 			continue
 		}
 		if last != 0 {
@@ -152,10 +153,10 @@ func TestReviewWrongType45TwoProcesses(t *testing.T) {
 	ctx := context.Background()
 	const ttl, poll = 3 * time.Second, 300 * time.Millisecond
 	hB := newKr44Hook()
-	engB := rvDirect(t, e, 50*time.Millisecond, hB)
-	a := rvSem(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	b := rvSem(t, engB, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	hs := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	engB := leasetest.Direct(t, e, 50*time.Millisecond, hB)
+	a := leasetest.SemOn(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	b := leasetest.SemOn(t, engB, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	hs := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	held, err := hs.Acquire(ctx, "p")
 	require.NoError(t, err)
 	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
@@ -167,43 +168,43 @@ func TestReviewWrongType45TwoProcesses(t *testing.T) {
 			s, who = b, fmt.Sprint("b", i)
 		}
 		wt45Acquire(actx, e, s, who, "p", got)
-		rwQueued(t, e, "p", int64(i+1))
+		e.Queued(t, "p", int64(i+1))
 	}
 	c0a, c0b := time.Since(hA.base), time.Since(hB.base)
 	time.Sleep(5 * poll)
 	ctl := max(wt45Gaps(hA, e, "p", c0a, time.Since(hA.base)), wt45Gaps(hB, e, "p", c0b, time.Since(hB.base)))
 	require.NotZero(t, ctl)
-	broke := rv3Now(e.rdb)
+	broke := leasetest.RedisNow(e.Rdb)
 	wt45Corrupt(t, e, "p", "w")
 	var slowest time.Duration
 	for range 6 {
 		g := <-got
-		took := rv3Ms(g.at - broke)
+		took := leasetest.Ms(g.at - broke)
 		slowest = max(slowest, took)
 		t.Logf("%s returned %v after the corruption: %v", g.who, took, g.err)
 		require.Nil(t, g.l, "%s", g.who)
 		assert.True(t, redis.HasErrorPrefix(g.err, "WRONGTYPE"), "%s returned %v", g.who, g.err)
 		assert.LessOrEqual(t, took, 3*ctl, "%s returned %v after the corruption; the longest gap between two polls before it was %v", g.who, took, ctl)
 	}
-	require.NoError(t, e.rdb.Del(ctx, e.key("p", "w")).Err())
+	require.NoError(t, e.Rdb.Del(ctx, e.Key("p", "w")).Err())
 	select {
 	case <-held.Lost():
 		t.Fatalf("H's lease was given up, though the key was restored %v after the corruption", slowest)
 	default:
 	}
-	require.True(t, rvLook(ctx, e.rdb, e, "p", held.Token()).held, "Redis no longer holds H's lease")
+	require.True(t, leasetest.Look(ctx, e.Rdb, e, "p", held.Token()).Held, "Redis no longer holds H's lease")
 	require.NoError(t, held.Release(ctx))
 	for _, s := range []*lease.Semaphore{a, b, a, b} {
 		lctx, lcancel := context.WithTimeout(ctx, 2*ttl)
 		l, err := s.Acquire(lctx, "p")
 		lcancel()
 		require.NoError(t, err, "an Acquire after the restore")
-		require.True(t, rvLook(ctx, e.rdb, e, "p", l.Token()).held)
+		require.True(t, leasetest.Look(ctx, e.Rdb, e, "p", l.Token()).Held)
 		require.NoError(t, l.Release(ctx))
 	}
 	time.Sleep(ttl + 1500*time.Millisecond)
-	left := e.keysBut(t, "p", ttl)
-	assert.Equal(t, []string{e.key("p", "c")}, left, "keys left after every lease was released and the TTL passed")
+	left := e.KeysBut(t, "p", ttl)
+	assert.Equal(t, []string{e.Key("p", "c")}, left, "keys left after every lease was released and the TTL passed")
 }
 
 // TestReviewWrongType45GrantRace: H holds both leases of a key (N = 2,
@@ -218,9 +219,9 @@ func TestReviewWrongType45GrantRace(t *testing.T) {
 	e, _, engA := kr44Env(t, "wt45g:")
 	ctx := context.Background()
 	const ttl, poll, rounds = 1500 * time.Millisecond, 200 * time.Millisecond, 16
-	a := rvSem(t, engA, 2, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	hs := rvSem(t, e.eng, 2, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	chk := rvSem(t, rvDirect(t, e, 5*time.Second), 2, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	a := leasetest.SemOn(t, engA, 2, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	hs := leasetest.SemOn(t, e.Eng, 2, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	chk := leasetest.SemOn(t, leasetest.Direct(t, e, 5*time.Second), 2, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	granted, failed, relFailed, lateWaiters := 0, 0, 0, 0
 	var slowest time.Duration
 	for i := range rounds {
@@ -232,17 +233,17 @@ func TestReviewWrongType45GrantRace(t *testing.T) {
 		actx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		got := make(chan wt45Got, 2)
 		wt45Acquire(actx, e, a, "a0", key, got)
-		rwQueued(t, e, key, 1)
+		e.Queued(t, key, 1)
 		wt45Acquire(actx, e, a, "a1", key, got)
-		rwQueued(t, e, key, 2)
-		ids, err := e.rdb.ZRange(ctx, e.key(key, "q"), 0, 0).Result()
+		e.Queued(t, key, 2)
+		ids, err := e.Rdb.ZRange(ctx, e.Key(key, "q"), 0, 0).Result()
 		require.NoError(t, err)
 		part := "w"
 		if i%2 == 1 {
 			part = "n:" + ids[0][:strings.LastIndex(ids[0], ".")] // a waiter's id is its process's, a dot, a number
 		}
 		stagger := time.Duration(rand.IntN(800)-400) * time.Microsecond
-		broke := rv3Now(e.rdb)
+		broke := leasetest.RedisNow(e.Rdb)
 		var relErr error
 		var wg sync.WaitGroup
 		wg.Go(func() {
@@ -260,7 +261,7 @@ func TestReviewWrongType45GrantRace(t *testing.T) {
 		wg.Wait()
 		var mine []*lease.Lease
 		take := func(g wt45Got) {
-			took := rv3Ms(g.at - broke)
+			took := leasetest.Ms(g.at - broke)
 			slowest = max(slowest, took)
 			if g.l != nil {
 				granted++
@@ -268,8 +269,8 @@ func TestReviewWrongType45GrantRace(t *testing.T) {
 				select {
 				case <-g.l.Lost():
 				default:
-					seen := rvLook(ctx, e.rdb, e, key, g.l.Token())
-					assert.True(t, seen.held && seen.margin() > 0, "round %d (%s): %s returned a lease Redis does not hold: %+v", i, part, g.who, seen)
+					seen := leasetest.Look(ctx, e.Rdb, e, key, g.l.Token())
+					assert.True(t, seen.Held && seen.Margin() > 0, "round %d (%s): %s returned a lease Redis does not hold: %+v", i, part, g.who, seen)
 				}
 				return
 			}
@@ -296,8 +297,8 @@ func TestReviewWrongType45GrantRace(t *testing.T) {
 		if relErr != nil {
 			relFailed++
 		}
-		require.NoError(t, e.rdb.Del(ctx, e.key(key, part)).Err())
-		restored := rv3Now(e.rdb)
+		require.NoError(t, e.Rdb.Del(ctx, e.Key(key, part)).Err())
+		restored := leasetest.RedisNow(e.Rdb)
 		for _, l := range mine {
 			_ = l.Release(ctx)
 		}
@@ -308,7 +309,7 @@ func TestReviewWrongType45GrantRace(t *testing.T) {
 			require.NoError(t, g.err, "round %d (%s): %s, still waiting when the key was restored", i, part, g.who)
 			lateWaiters++
 			take(g)
-			t.Logf("round %d (%s): %s, still waiting when the key was restored, was granted %v after", i, part, g.who, rv3Ms(g.at-restored))
+			t.Logf("round %d (%s): %s, still waiting when the key was restored, was granted %v after", i, part, g.who, leasetest.Ms(g.at-restored))
 			require.NoError(t, g.l.Release(ctx))
 		}
 		cancel()
@@ -323,7 +324,7 @@ func TestReviewWrongType45GrantRace(t *testing.T) {
 			back = append(back, l)
 		}
 		t.Logf("round %d (%s, stagger %v): release error %v; A got %d lease(s); both leases back %v after the restore",
-			i, part, stagger, relErr, len(mine), rv3Ms(rv3Now(e.rdb)-restored))
+			i, part, stagger, relErr, len(mine), leasetest.Ms(leasetest.RedisNow(e.Rdb)-restored))
 		for _, l := range back {
 			require.NoError(t, l.Release(ctx))
 		}
@@ -336,19 +337,19 @@ func TestReviewWrongType45GrantRace(t *testing.T) {
 // server, runs trouble (which makes A's keep calls fail for a while and
 // returns once they may pass again), then has H release: A's waiter must
 // be served, not fail. It returns the errors A's keep calls met.
-func wt45Passing(t *testing.T, e *env, h *kr44Hook, engA *throttle.Engine, trouble func()) []string {
+func wt45Passing(t *testing.T, e *leasetest.Env, h *kr44Hook, engA *throttle.Engine, trouble func()) []string {
 	t.Helper()
 	ctx := context.Background()
 	const ttl, poll = 3 * time.Second, 200 * time.Millisecond
-	a := rvSem(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	hs := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	a := leasetest.SemOn(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	hs := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	held, err := hs.Acquire(ctx, "s")
 	require.NoError(t, err)
 	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
 	got := make(chan wt45Got, 1)
 	wt45Acquire(actx, e, a, "a", "s", got)
-	rwQueued(t, e, "s", 1)
+	e.Queued(t, "s", 1)
 	t0 := time.Since(h.base)
 	trouble()
 	t1 := time.Since(h.base)
@@ -378,9 +379,9 @@ func wt45Passing(t *testing.T, e *env, h *kr44Hook, engA *throttle.Engine, troub
 func TestReviewWrongType45BusyPasses(t *testing.T) {
 	e, h, engA := kr44Env(t, "wt45b:")
 	ctx := context.Background()
-	require.NoError(t, e.rdb.ConfigSet(ctx, "busy-reply-threshold", "50").Err())
+	require.NoError(t, e.Rdb.ConfigSet(ctx, "busy-reply-threshold", "50").Err())
 	errs := wt45Passing(t, e, h, engA, func() {
-		busy := e.srv.Client(t)
+		busy := e.Srv.Client(t)
 		require.NoError(t, busy.Eval(ctx, `local t0 = redis.call('TIME')
 local s0 = tonumber(t0[1]) * 1000000 + tonumber(t0[2])
 while true do
@@ -404,19 +405,19 @@ end`, nil, 1500000).Err())
 func TestReviewWrongType45NoPermPasses(t *testing.T) {
 	e, _, _ := kr44Env(t, "wt45n:")
 	ctx := context.Background()
-	require.NoError(t, e.rdb.Do(ctx, "ACL", "SETUSER", "wt45", "on", ">wt45pw", "~*", "&*", "+@all").Err())
-	opts := e.srv.Options()
+	require.NoError(t, e.Rdb.Do(ctx, "ACL", "SETUSER", "wt45", "on", ">wt45pw", "~*", "&*", "+@all").Err())
+	opts := e.Srv.Options()
 	opts.Username, opts.Password = "wt45", "wt45pw"
 	c := redis.NewClient(opts)
 	t.Cleanup(func() { _ = c.Close() })
 	h := newKr44Hook()
 	c.AddHook(h)
-	engA, err := throttle.New(c, throttle.WithPrefix(e.prefix))
+	engA, err := throttle.New(c, throttle.WithPrefix(e.Prefix))
 	require.NoError(t, err)
 	errs := wt45Passing(t, e, h, engA, func() {
-		require.NoError(t, e.rdb.Do(ctx, "ACL", "SETUSER", "wt45", "-evalsha", "-eval").Err())
+		require.NoError(t, e.Rdb.Do(ctx, "ACL", "SETUSER", "wt45", "-evalsha", "-eval").Err())
 		time.Sleep(700 * time.Millisecond)
-		require.NoError(t, e.rdb.Do(ctx, "ACL", "SETUSER", "wt45", "+@all").Err())
+		require.NoError(t, e.Rdb.Do(ctx, "ACL", "SETUSER", "wt45", "+@all").Err())
 	})
 	t.Logf("A's keep calls met %d errors: %q", len(errs), errs)
 	noperm := 0
@@ -442,8 +443,8 @@ func TestReviewWrongType45CloseOrCancelAtError(t *testing.T) {
 	ctx := context.Background()
 	const ttl, poll = 1500 * time.Millisecond, 200 * time.Millisecond
 	var trigger atomic.Pointer[func()]
-	engA := rvDirect(t, e, 50*time.Millisecond, rvHook{after: func(cmd redis.Cmder, _ time.Duration) {
-		if !rvIsKeep(cmd) || !redis.HasErrorPrefix(cmd.Err(), "WRONGTYPE") {
+	engA := leasetest.Direct(t, e, 50*time.Millisecond, leasetest.Hook{After: func(cmd redis.Cmder, _ time.Duration) {
+		if !leasetest.IsKeep(cmd) || !redis.HasErrorPrefix(cmd.Err(), "WRONGTYPE") {
 			return
 		}
 		if f := trigger.Swap(nil); f != nil {
@@ -452,8 +453,8 @@ func TestReviewWrongType45CloseOrCancelAtError(t *testing.T) {
 			time.Sleep(time.Duration(rand.IntN(2000)) * time.Microsecond) // the reply held back: either may come first
 		}
 	}})
-	hs := rvSem(t, e.eng, 2, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	chk := rvSem(t, rvDirect(t, e, 5*time.Second), 2, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	hs := leasetest.SemOn(t, e.Eng, 2, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	chk := leasetest.SemOn(t, leasetest.Direct(t, e, 5*time.Second), 2, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	outcomes := map[string]int{}
 	var sems []*lease.Semaphore
 	for i := range 16 {
@@ -479,12 +480,12 @@ func TestReviewWrongType45CloseOrCancelAtError(t *testing.T) {
 		trigger.Store(&f)
 		got := make(chan wt45Got, 1)
 		wt45Acquire(actx, e, a, "a", key, got)
-		rwQueued(t, e, key, 1)
-		broke := rv3Now(e.rdb)
+		e.Queued(t, key, 1)
+		broke := leasetest.RedisNow(e.Rdb)
 		wt45Corrupt(t, e, key, "w")
 		g := <-got
 		cancel()
-		took := rv3Ms(g.at - broke)
+		took := leasetest.Ms(g.at - broke)
 		require.Nil(t, g.l, "round %d (%s)", i, mode)
 		switch {
 		case redis.HasErrorPrefix(g.err, "WRONGTYPE"):
@@ -497,8 +498,8 @@ func TestReviewWrongType45CloseOrCancelAtError(t *testing.T) {
 			t.Errorf("round %d (%s): %v after %v", i, mode, g.err, took)
 		}
 		assert.Less(t, took, 4*poll+time.Second, "round %d (%s): returned %v after the corruption", i, mode, took)
-		require.NoError(t, e.rdb.Del(ctx, e.key(key, "w")).Err())
-		restored := rv3Now(e.rdb)
+		require.NoError(t, e.Rdb.Del(ctx, e.Key(key, "w")).Err())
+		restored := leasetest.RedisNow(e.Rdb)
 		_ = l1.Release(ctx)
 		_ = l2.Release(ctx)
 		var back []*lease.Lease
@@ -511,7 +512,7 @@ func TestReviewWrongType45CloseOrCancelAtError(t *testing.T) {
 			}
 			back = append(back, l)
 		}
-		t.Logf("round %d (%s): %v after %v; both leases back %v after the restore", i, mode, g.err, took, rv3Ms(rv3Now(e.rdb)-restored))
+		t.Logf("round %d (%s): %v after %v; both leases back %v after the restore", i, mode, g.err, took, leasetest.Ms(leasetest.RedisNow(e.Rdb)-restored))
 		for _, l := range back {
 			require.NoError(t, l.Release(ctx))
 		}
@@ -522,5 +523,5 @@ func TestReviewWrongType45CloseOrCancelAtError(t *testing.T) {
 		require.NoError(t, s.Close(cctx))
 		ccancel()
 	}
-	rvSettled(t, 2*time.Second)
+	leasetest.Settled(t, 2*time.Second)
 }

@@ -1,4 +1,4 @@
-package lease_test
+package leasereview_test
 
 // Review of 2b43728 (a keeper whose keep call failed tries again soon:
 // retryAfter), through the public API only: long outages with many
@@ -25,6 +25,7 @@ import (
 
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -61,10 +62,10 @@ func (h *kr44Hook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 }
 func (h *kr44Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		if !rvIsKeep(cmd) {
+		if !leasetest.IsKeep(cmd) {
 			return next(ctx, cmd)
 		}
-		argv, keys := rvScriptArgs(cmd)
+		argv, keys := leasetest.ScriptArgs(cmd)
 		c := kr44Call{at: time.Since(h.base), key: keys[0]}
 		c.held, _ = argv[3].(int)
 		for _, a := range argv[4:] {
@@ -156,16 +157,16 @@ func kr44PerKey(cs []kr44Call, keys []string) (lo, med, hi int) {
 	return v[0], v[len(v)/2], v[len(v)-1]
 }
 
-// kr44Env is an env on a server of the test's own (which it may stop),
+// kr44Env is an Env on a server of the test's own (which it may stop),
 // with B (holding, on a plain engine) and A (waiting, on an engine of the
 // default 50 ms timeout whose client logs its keep calls).
-func kr44Env(t *testing.T, prefix string) (*env, *kr44Hook, *throttle.Engine) {
+func kr44Env(t *testing.T, prefix string) (*leasetest.Env, *kr44Hook, *throttle.Engine) {
 	t.Helper()
 	srv := redistest.Start(t)
 	direct := srv.Client(t)
 	eng, err := throttle.New(srv.Client(t), throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
 	require.NoError(t, err)
-	e := &env{srv: srv, rdb: direct, eng: eng, prefix: prefix}
+	e := &leasetest.Env{Srv: srv, Rdb: direct, Eng: eng, Prefix: prefix}
 	h := newKr44Hook()
 	c := srv.Client(t)
 	c.AddHook(h)
@@ -183,7 +184,7 @@ type kr44Got struct {
 	err error
 }
 
-func kr44Wait(t *testing.T, e *env, a, b *lease.Semaphore, subjects []string, spread time.Duration, actx context.Context) ([]*lease.Lease, []string, chan kr44Got) {
+func kr44Wait(t *testing.T, e *leasetest.Env, a, b *lease.Semaphore, subjects []string, spread time.Duration, actx context.Context) ([]*lease.Lease, []string, chan kr44Got) {
 	t.Helper()
 	ctx := context.Background()
 	held := make([]*lease.Lease, len(subjects))
@@ -195,7 +196,7 @@ func kr44Wait(t *testing.T, e *env, a, b *lease.Semaphore, subjects []string, sp
 	got := make(chan kr44Got, len(subjects))
 	var hkeys []string
 	for _, k := range subjects {
-		hkeys = append(hkeys, e.key(k, "h"))
+		hkeys = append(hkeys, e.Key(k, "h"))
 		go func() {
 			l, err := a.Acquire(actx, k)
 			got <- kr44Got{key: k, l: l, err: err}
@@ -203,7 +204,7 @@ func kr44Wait(t *testing.T, e *env, a, b *lease.Semaphore, subjects []string, sp
 		time.Sleep(spread / time.Duration(len(subjects)))
 	}
 	for _, k := range subjects {
-		rwQueued(t, e, k, 1)
+		e.Queued(t, k, 1)
 	}
 	return held, hkeys, got
 }
@@ -220,8 +221,8 @@ func TestReviewKeepRetry44LongOutage(t *testing.T) {
 	e, h, engA := kr44Env(t, "kr44o:")
 	ctx := context.Background()
 	const n, poll = 200, time.Second
-	a := rvSem(t, engA, 1, lease.WithTTL(30*time.Second), lease.WithPollInterval(poll))
-	b := rvSem(t, e.eng, 1, lease.WithTTL(30*time.Second))
+	a := leasetest.SemOn(t, engA, 1, lease.WithTTL(30*time.Second), lease.WithPollInterval(poll))
+	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(30*time.Second))
 	require.NoError(t, a.Load(ctx))
 	subjects := make([]string, n)
 	for i := range subjects {
@@ -235,7 +236,7 @@ func TestReviewKeepRetry44LongOutage(t *testing.T) {
 	c0 := time.Since(h.base)
 	time.Sleep(3 * poll)
 	c1 := time.Since(h.base)
-	pid := e.srv.Pid()
+	pid := e.Srv.Pid()
 	require.NoError(t, syscall.Kill(pid, syscall.SIGSTOP))
 	stopped := true
 	defer func() {
@@ -298,8 +299,8 @@ func TestReviewKeepRetry44LongOutage(t *testing.T) {
 	}
 	require.NoError(t, a.Close(ctx))
 	require.NoError(t, b.Close(ctx))
-	rtNoGhosts(t, e, subjects)
-	rvSettled(t, 5*time.Second)
+	e.NoGhosts(t, subjects)
+	leasetest.Settled(t, 5*time.Second)
 }
 
 // kr44Breaker counts the openings of an engine's breaker.
@@ -330,17 +331,17 @@ func (o *kr44Breaker) ObserveBreaker(open bool) {
 // no more than 1.5 times the control's rate, and no keep call sent within
 // a quarter poll of the same keeper's failed one (both failed before).
 func TestReviewKeepRetry44SlowRedis(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const n, poll = 40, 500 * time.Millisecond
 	h := newKr44Hook()
 	brk := &kr44Breaker{}
-	c := e.srv.Client(t)
+	c := e.Srv.Client(t)
 	c.AddHook(h)
-	engA, err := throttle.New(c, throttle.WithPrefix(e.prefix), throttle.WithObserver(brk))
+	engA, err := throttle.New(c, throttle.WithPrefix(e.Prefix), throttle.WithObserver(brk))
 	require.NoError(t, err)
-	a := rvSem(t, engA, 1, lease.WithTTL(30*time.Second), lease.WithPollInterval(poll))
-	b := rvSem(t, e.eng, 1, lease.WithTTL(30*time.Second))
+	a := leasetest.SemOn(t, engA, 1, lease.WithTTL(30*time.Second), lease.WithPollInterval(poll))
+	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(30*time.Second))
 	require.NoError(t, a.Load(ctx))
 	subjects := make([]string, n)
 	for i := range subjects {
@@ -434,7 +435,7 @@ func TestReviewKeepRetry44SlowRedis(t *testing.T) {
 	}
 	require.NoError(t, a.Close(ctx))
 	require.NoError(t, b.Close(ctx))
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 }
 
 // kr44HeldMode is how TestReviewKeepRetry44HeldLeases fails its keep
@@ -455,13 +456,13 @@ var kr44NotSent = &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED
 // nothing of the error and waited out its context), and the held lease is
 // given up (Lost) at 9/10 of the TTL, not extended.
 func TestReviewKeepRetry44PermanentError(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const poll, ttl = 400 * time.Millisecond, 1500 * time.Millisecond
 	h := newKr44Hook()
-	engA := rvDirect(t, e, 50*time.Millisecond, h)
-	a := rvSem(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	b := rvSem(t, e.eng, 1, lease.WithTTL(30*time.Second))
+	engA := leasetest.Direct(t, e, 50*time.Millisecond, h)
+	a := leasetest.SemOn(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(30*time.Second))
 	require.NoError(t, a.Load(ctx))
 	held, err := b.Acquire(ctx, "pw")
 	require.NoError(t, err)
@@ -480,12 +481,12 @@ func TestReviewKeepRetry44PermanentError(t *testing.T) {
 		}
 		werr <- err
 	}()
-	rwQueued(t, e, "pw", 1)
+	e.Queued(t, "pw", 1)
 	time.Sleep(poll)
 	t0 := time.Since(h.base)
 	for _, k := range []string{"pw", "ph"} {
-		require.NoError(t, e.rdb.Del(ctx, e.key(k, "w")).Err())
-		require.NoError(t, e.rdb.Set(ctx, e.key(k, "w"), "x", 0).Err())
+		require.NoError(t, e.Rdb.Del(ctx, e.Key(k, "w")).Err())
+		require.NoError(t, e.Rdb.Set(ctx, e.Key(k, "w"), "x", 0).Err())
 	}
 	broke := time.Now()
 	var lostAfter time.Duration
@@ -504,9 +505,9 @@ func TestReviewKeepRetry44PermanentError(t *testing.T) {
 	var ph []kr44Call
 	for _, c := range cs {
 		switch c.key {
-		case e.key("pw", "h"):
+		case e.Key("pw", "h"):
 			pw = append(pw, c)
-		case e.key("ph", "h"):
+		case e.Key("ph", "h"):
 			ph = append(ph, c)
 		}
 	}
@@ -538,7 +539,7 @@ func TestReviewKeepRetry44PermanentError(t *testing.T) {
 	require.LessOrEqual(t, len(ph), int(lostAfter/(ttl/3))+8, "the holder's keeper kept retrying")
 	require.ErrorIs(t, mine.Release(ctx), lease.ErrLost)
 	for _, k := range []string{"pw", "ph"} {
-		require.NoError(t, e.rdb.Del(ctx, e.key(k, "w")).Err())
+		require.NoError(t, e.Rdb.Del(ctx, e.Key(k, "w")).Err())
 	}
 }
 
@@ -553,12 +554,12 @@ func TestReviewKeepRetry44PermanentError(t *testing.T) {
 // after its Release returned names it, and Redis does not hold it.
 func TestReviewKeepRetry44HeldLeases(t *testing.T) {
 	t.Logf("failure mode %q", kr44HeldMode)
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const n, ttl = 20, 3 * time.Second
 	h := newKr44Hook()
-	engA := rvDirect(t, e, 50*time.Millisecond, h)
-	a := rvSem(t, engA, 1, lease.WithTTL(ttl))
+	engA := leasetest.Direct(t, e, 50*time.Millisecond, h)
+	a := leasetest.SemOn(t, engA, 1, lease.WithTTL(ttl))
 	require.NoError(t, a.Load(ctx))
 	ls := make([]*lease.Lease, n)
 	for i := range n {
@@ -595,21 +596,21 @@ func TestReviewKeepRetry44HeldLeases(t *testing.T) {
 			case <-l.Lost():
 				var tl []string
 				for _, c := range h.calls(0, time.Hour) {
-					if c.key == e.key(l.Key(), "h") {
+					if c.key == e.Key(l.Key(), "h") {
 						tl = append(tl, fmt.Sprintf("%v %v", c.at.Round(time.Millisecond), c.err != nil))
 					}
 				}
 				t.Fatalf("lease %d Lost at %v while Redis answered (keep calls failed %d); its keep calls (sent, failed): %v", j, time.Since(h.base).Round(time.Millisecond), failed.Load(), tl)
 			default:
 			}
-			s := rvLook(ctx, e.rdb, e, l.Key(), l.Token())
-			require.True(t, s.held, "lease %d not held in Redis", j)
-			minMargin = min(minMargin, s.margin())
+			s := leasetest.Look(ctx, e.Rdb, e, l.Key(), l.Token())
+			require.True(t, s.Held, "lease %d not held in Redis", j)
+			minMargin = min(minMargin, s.Margin())
 		}
 		if i%4 == 3 {
 			j := rand.IntN(n)
 			if l := ls[j]; l != nil && j%2 == 0 {
-				s := rvLook(ctx, e.rdb, e, l.Key(), l.Token())
+				s := leasetest.Look(ctx, e.Rdb, e, l.Key(), l.Token())
 				// The release must not meet the open breaker (a failed
 				// release is not sent again): the failures pause until
 				// it closes, the keepers' retries still pending.
@@ -621,7 +622,7 @@ func TestReviewKeepRetry44HeldLeases(t *testing.T) {
 				require.NoError(t, l.Release(ctx))
 				h.fail.Store(f)
 				relMu.Lock()
-				released[s.id] = time.Since(h.base)
+				released[s.ID] = time.Since(h.base)
 				relMu.Unlock()
 				ls[j] = nil
 			}
@@ -651,7 +652,7 @@ func TestReviewKeepRetry44HeldLeases(t *testing.T) {
 		}
 	}
 	require.NoError(t, a.Close(ctx))
-	rvSettled(t, 5*time.Second)
+	leasetest.Settled(t, 5*time.Second)
 }
 
 // TestReviewKeepRetry44CloseRacesRetry: Close while every keeper has a
@@ -661,16 +662,16 @@ func TestReviewKeepRetry44HeldLeases(t *testing.T) {
 // closed, the waiters get ErrClosed, no keep call is sent after Close
 // has returned, and no goroutine of the package is left.
 func TestReviewKeepRetry44CloseRacesRetry(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	h := newKr44Hook()
-	engA := rvDirect(t, e, 50*time.Millisecond, h)
+	engA := leasetest.Direct(t, e, 50*time.Millisecond, h)
 	var during, sentAfter int
 	for it := range 12 {
 		mode := []string{"busy", "notsent"}[it%2]
 		a, err := lease.New(engA, "partner", 1, lease.WithTTL(900*time.Millisecond), lease.WithPollInterval(60*time.Millisecond))
 		require.NoError(t, err)
-		b, err := lease.New(e.eng, "partner", 1, lease.WithTTL(30*time.Second))
+		b, err := lease.New(e.Eng, "partner", 1, lease.WithTTL(30*time.Second))
 		require.NoError(t, err)
 		var mine, theirs []*lease.Lease
 		for k := range 3 {
@@ -690,7 +691,7 @@ func TestReviewKeepRetry44CloseRacesRetry(t *testing.T) {
 				}
 				werrs <- err
 			}()
-			rwQueued(t, e, fmt.Sprint("ct", it, ".", k), 1)
+			e.Queued(t, fmt.Sprint("ct", it, ".", k), 1)
 		}
 		h.setFail(func(*kr44Call) (string, time.Duration) { return mode, 0 })
 		time.Sleep(time.Duration(300+rand.IntN(150)) * time.Millisecond) // the holders' keepers (300 ms) have failed too
@@ -728,7 +729,7 @@ func TestReviewKeepRetry44CloseRacesRetry(t *testing.T) {
 			require.NoError(t, l.Release(ctx))
 		}
 		require.NoError(t, b.Close(ctx))
-		rvSettled(t, 3*time.Second)
+		leasetest.Settled(t, 3*time.Second)
 	}
 	t.Logf("keep calls sent while Close ran: %d; after it returned: %d (12 rounds)", during, sentAfter)
 	require.Zero(t, sentAfter, "keep calls sent after Close returned")
@@ -742,10 +743,10 @@ func TestReviewKeepRetry44CloseRacesRetry(t *testing.T) {
 // are believed held at once (Lost open, not released); each token is
 // handed out once; nothing is left in Redis after Close.
 func TestReviewKeepRetry44AcquireCancelChurn(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	h := newKr44Hook()
-	engA := rvDirect(t, e, 50*time.Millisecond, h)
+	engA := leasetest.Direct(t, e, 50*time.Millisecond, h)
 	a, err := lease.New(engA, "partner", 1, lease.WithTTL(2*time.Second), lease.WithPollInterval(40*time.Millisecond))
 	require.NoError(t, err)
 	require.NoError(t, a.Load(ctx))
@@ -839,6 +840,6 @@ func TestReviewKeepRetry44AcquireCancelChurn(t *testing.T) {
 		}
 	}
 	require.NoError(t, a.Close(ctx))
-	rtNoGhosts(t, e, keys)
-	rvSettled(t, 3*time.Second)
+	e.NoGhosts(t, keys)
+	leasetest.Settled(t, 3*time.Second)
 }

@@ -1,4 +1,4 @@
-package lease_test
+package leasereview_test
 
 // Review of effeef6 (admit drops an id of the queue whose expiry is
 // missing from the waiters set, rather than granting it) through the
@@ -25,6 +25,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/lease/internal/leasetest"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -59,7 +60,7 @@ func (r *ad45Rec) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Proc
 }
 func (r *ad45Rec) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		argv, _ := rvScriptArgs(cmd)
+		argv, _ := leasetest.ScriptArgs(cmd)
 		tag, _ := ctx.Value(ad45Tag{}).(string)
 		if len(argv) != 5 || tag == "" {
 			return next(ctx, cmd)
@@ -75,7 +76,7 @@ func (r *ad45Rec) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 		}
 		r.serial.Lock()
 		err := next(ctx, cmd)
-		at := rv3Now(r.rdb)
+		at := leasetest.RedisNow(r.rdb)
 		r.mu.Lock()
 		r.seq++
 		r.order[tag] = r.seq
@@ -141,10 +142,10 @@ func (r *ad45Run) count(what string) {
 // Acquire that is never cancelled (20 s), each lease held 5-30 ms. chaos,
 // if not nil, runs alongside until the workers stop. It returns the
 // record and the judge of believed holders.
-func ad45Churn(t *testing.T, e *env, rec *ad45Rec, sems []*lease.Semaphore, key string, n int, ttl, run time.Duration, chaos func(stop <-chan struct{})) (*ad45Run, *rv5Judge) {
+func ad45Churn(t *testing.T, e *leasetest.Env, rec *ad45Rec, sems []*lease.Semaphore, key string, n int, ttl, run time.Duration, chaos func(stop <-chan struct{})) (*ad45Run, *rv5Judge) {
 	t.Helper()
 	ctx := context.Background()
-	j := rv5NewJudge(t, e.rdb, e.prefix, n, ttl)
+	j := rv5NewJudge(t, e.Rdb, e.Prefix, n, ttl)
 	out := &ad45Run{tokens: map[int64]string{}, dead: map[string]time.Time{}, counts: map[string]int{}}
 	stop := make(chan struct{})
 	var cg sync.WaitGroup
@@ -161,7 +162,7 @@ func ad45Churn(t *testing.T, e *env, rec *ad45Rec, sems []*lease.Semaphore, key 
 			case <-time.After(20 * time.Millisecond):
 			}
 			now := time.Now()
-			hs, err := e.rdb.ZRange(ctx, e.key(key, "h"), 0, -1).Result()
+			hs, err := e.Rdb.ZRange(ctx, e.Key(key, "h"), 0, -1).Result()
 			if err != nil {
 				continue
 			}
@@ -212,7 +213,7 @@ func ad45Churn(t *testing.T, e *env, rec *ad45Rec, sems []*lease.Semaphore, key 
 					default:
 						actx, cancel := context.WithTimeout(tctx, 20*time.Second)
 						l, err = s.Acquire(actx, key)
-						at := rv3Now(e.rdb)
+						at := leasetest.RedisNow(e.Rdb)
 						cancel()
 						wt := ad45Wait{tag: tag, to: at, err: err}
 						if l != nil {
@@ -236,7 +237,7 @@ func ad45Churn(t *testing.T, e *env, rec *ad45Rec, sems []*lease.Semaphore, key 
 						time.Sleep(5 * time.Millisecond)
 						continue
 					}
-					from := rv3Now(e.rdb)
+					from := leasetest.RedisNow(e.Rdb)
 					j.got(ctx, key, l, before)
 					out.mu.Lock()
 					if o, dup := out.tokens[l.Token()]; dup {
@@ -253,7 +254,7 @@ func ad45Churn(t *testing.T, e *env, rec *ad45Rec, sems []*lease.Semaphore, key 
 					case <-time.After(time.Duration(5+rng.IntN(25)) * time.Millisecond):
 					}
 					j.releasing(key, l)
-					to := rv3Now(e.rdb)
+					to := leasetest.RedisNow(e.Rdb)
 					rerr := l.Release(ctx)
 					if rerr == nil {
 						j.releasedTok(key, l.Token())
@@ -351,12 +352,12 @@ func ad45Gaps(out *ad45Run, n int) (gap time.Duration, peak int) {
 
 // ad45Sems returns k Semaphores of n on separate engines, each client
 // hooked by rec.
-func ad45Sems(t *testing.T, e *env, rec *ad45Rec, k, n int, ttl, poll time.Duration) []*lease.Semaphore {
+func ad45Sems(t *testing.T, e *leasetest.Env, rec *ad45Rec, k, n int, ttl, poll time.Duration) []*lease.Semaphore {
 	t.Helper()
 	var out []*lease.Semaphore
 	for range k {
-		eng := rvDirect(t, e, 2*time.Second, rec)
-		s := rvSem(t, eng, n, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+		eng := leasetest.Direct(t, e, 2*time.Second, rec)
+		s := leasetest.SemOn(t, eng, n, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		require.NoError(t, s.Load(context.Background()))
 		out = append(out, s)
 	}
@@ -365,7 +366,7 @@ func ad45Sems(t *testing.T, e *env, rec *ad45Rec, k, n int, ttl, poll time.Durat
 
 // ad45Left returns the keys under e's prefix but the key's counter, once
 // every Semaphore is closed and a TTL and 1.5 s have passed.
-func ad45Left(t *testing.T, e *env, sems []*lease.Semaphore, ttl time.Duration) []string {
+func ad45Left(t *testing.T, e *leasetest.Env, sems []*lease.Semaphore, ttl time.Duration) []string {
 	t.Helper()
 	for _, s := range sems {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -374,7 +375,7 @@ func ad45Left(t *testing.T, e *env, sems []*lease.Semaphore, ttl time.Duration) 
 	}
 	time.Sleep(ttl + 1500*time.Millisecond)
 	var left []string
-	for _, k := range e.keys(t) {
+	for _, k := range e.Keys(t) {
 		if !strings.HasSuffix(k, ":lease:c") {
 			left = append(left, k)
 		}
@@ -394,9 +395,9 @@ func ad45Left(t *testing.T, e *env, sems []*lease.Semaphore, ttl time.Duration) 
 func TestReviewAdmit45NormalChurn(t *testing.T) {
 	for _, n := range []int{1, 3} {
 		t.Run(fmt.Sprint("N=", n), func(t *testing.T) {
-			e := newEnv(t)
+			e := leasetest.NewEnv(t)
 			const ttl, poll = 1500 * time.Millisecond, 250 * time.Millisecond
-			rec := newAd45Rec(e.rdb)
+			rec := newAd45Rec(e.Rdb)
 			sems := ad45Sems(t, e, rec, 3, n, ttl, poll)
 			out, j := ad45Churn(t, e, rec, sems, "k", n, ttl, 3*time.Second, nil)
 			checked, bad := ad45Fifo(rec, out)
@@ -437,9 +438,9 @@ func TestReviewAdmit45ChaosWaitersLost(t *testing.T) {
 	}{{1, true, 0}, {3, false, 100}, {3, true, 100}} {
 		t.Run(fmt.Sprintf("N=%d,del=%v,lost=%d", tc.n, tc.del, tc.losePerMil), func(t *testing.T) {
 			n := tc.n
-			e := newEnv(t)
+			e := leasetest.NewEnv(t)
 			const ttl, poll = 1500 * time.Millisecond, 250 * time.Millisecond
-			rec := newAd45Rec(e.rdb)
+			rec := newAd45Rec(e.Rdb)
 			rec.loseP.Store(tc.losePerMil)
 			sems := ad45Sems(t, e, rec, 3, n, ttl, poll)
 			var dels atomic.Int64
@@ -451,7 +452,7 @@ func TestReviewAdmit45ChaosWaitersLost(t *testing.T) {
 						return
 					case <-time.After(time.Duration(150+rng.IntN(200)) * time.Millisecond):
 					}
-					if tc.del && e.rdb.Del(context.Background(), e.key("k", "w")).Val() == 1 {
+					if tc.del && e.Rdb.Del(context.Background(), e.Key("k", "w")).Val() == 1 {
 						dels.Add(1)
 					}
 				}
@@ -465,7 +466,7 @@ func TestReviewAdmit45ChaosWaitersLost(t *testing.T) {
 			var waited []time.Duration
 			for _, w := range out.waits {
 				if w.token != 0 && w.from != 0 {
-					waited = append(waited, rv3Ms(w.to-w.from))
+					waited = append(waited, leasetest.Ms(w.to-w.from))
 				}
 			}
 			slices.Sort(waited)
@@ -497,7 +498,7 @@ func TestReviewAdmit45ChaosWaitersLost(t *testing.T) {
 // hold its lease for hold and release it. It returns each waiter's
 // service (Redis clock, from the release) by arrival, and the believed
 // hold intervals (µs), in order of token.
-func ad45Chain(t *testing.T, e *env, holder *lease.Semaphore, sems []*lease.Semaphore, key string, waiters int, hold time.Duration, between func()) (served []time.Duration, ivs [][2]int64, order []int) {
+func ad45Chain(t *testing.T, e *leasetest.Env, holder *lease.Semaphore, sems []*lease.Semaphore, key string, waiters int, hold time.Duration, between func()) (served []time.Duration, ivs [][2]int64, order []int) {
 	t.Helper()
 	ctx := context.Background()
 	held, err := holder.Acquire(ctx, key)
@@ -519,24 +520,24 @@ func ad45Chain(t *testing.T, e *env, holder *lease.Semaphore, sems []*lease.Sema
 				ch <- got{i: i, err: err}
 				return
 			}
-			from := rv3Now(e.rdb)
+			from := leasetest.RedisNow(e.Rdb)
 			time.Sleep(hold)
-			to := rv3Now(e.rdb)
+			to := leasetest.RedisNow(e.Rdb)
 			ch <- got{i: i, token: l.Token(), from: from, to: to, err: l.Release(ctx)}
 		}()
-		rwQueued(t, e, key, int64(i+1))
+		e.Queued(t, key, int64(i+1))
 	}
 	if between != nil {
 		between()
 	}
-	rel := rv3Now(e.rdb)
+	rel := leasetest.RedisNow(e.Rdb)
 	require.NoError(t, held.Release(ctx))
 	gs := make([]got, 0, waiters)
 	served = make([]time.Duration, waiters)
 	for range waiters {
 		g := <-ch
 		require.NoError(t, g.err, "waiter %d", g.i)
-		served[g.i] = rv3Ms(g.from - rel)
+		served[g.i] = leasetest.Ms(g.from - rel)
 		gs = append(gs, g)
 	}
 	slices.SortFunc(gs, func(a, b got) int { return int(a.token - b.token) })
@@ -557,16 +558,16 @@ func ad45Chain(t *testing.T, e *env, holder *lease.Semaphore, sems []*lease.Sema
 // (the control, in the same run): by the claim, a waiter whose entry was
 // lost queues again at its next poll.
 func TestReviewAdmit45WaitersSetDeleted(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	const ttl, poll, hold, waiters = 3 * time.Second, 300 * time.Millisecond, 30 * time.Millisecond, 6
 	mk := func(eng *throttle.Engine) *lease.Semaphore {
-		s := rvSem(t, eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+		s := leasetest.SemOn(t, eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		require.NoError(t, s.Load(context.Background()))
 		return s
 	}
-	b := mk(e.eng)
-	sems := []*lease.Semaphore{mk(rvDirect(t, e, 2*time.Second)), mk(rvDirect(t, e, 2*time.Second))}
-	del := func() { require.NoError(t, e.rdb.Del(context.Background(), e.key("k", "w")).Err()) }
+	b := mk(e.Eng)
+	sems := []*lease.Semaphore{mk(leasetest.Direct(t, e, 2*time.Second)), mk(leasetest.Direct(t, e, 2*time.Second))}
+	del := func() { require.NoError(t, e.Rdb.Del(context.Background(), e.Key("k", "w")).Err()) }
 	for _, tc := range []struct {
 		name    string
 		between func()
@@ -608,25 +609,25 @@ func TestReviewAdmit45OrphanQueue(t *testing.T) {
 	e, h, engA := kr44Env(t, "ad45o:")
 	ctx := context.Background()
 	const ttl, poll, waiters = 3 * time.Second, 300 * time.Millisecond, 100
-	a := rvSem(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	b := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	c := rvSem(t, rvDirect(t, e, 5*time.Second), 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	a := leasetest.SemOn(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	c := leasetest.SemOn(t, leasetest.Direct(t, e, 5*time.Second), 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	for _, sm := range []*lease.Semaphore{a, b, c} {
 		require.NoError(t, sm.Load(ctx))
 	}
 	// relThenAcquire: B releases held, then C acquires; both durations,
 	// Redis clock.
 	relThenAcquire := func(held *lease.Lease) (rel, acq time.Duration) {
-		t0 := rv3Now(e.rdb)
+		t0 := leasetest.RedisNow(e.Rdb)
 		require.NoError(t, held.Release(ctx))
-		t1 := rv3Now(e.rdb)
+		t1 := leasetest.RedisNow(e.Rdb)
 		cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		defer cancel()
 		l, err := c.Acquire(cctx, "o")
 		require.NoError(t, err)
-		t2 := rv3Now(e.rdb)
+		t2 := leasetest.RedisNow(e.Rdb)
 		require.NoError(t, l.Release(ctx))
-		return rv3Ms(t1 - t0), rv3Ms(t2 - t1)
+		return leasetest.Ms(t1 - t0), leasetest.Ms(t2 - t1)
 	}
 	held, err := b.Acquire(ctx, "o")
 	require.NoError(t, err)
@@ -648,21 +649,21 @@ func TestReviewAdmit45OrphanQueue(t *testing.T) {
 				ch <- got{err: err}
 				return
 			}
-			from := rv3Now(e.rdb)
-			to := rv3Now(e.rdb)
+			from := leasetest.RedisNow(e.Rdb)
+			to := leasetest.RedisNow(e.Rdb)
 			ch <- got{token: l.Token(), from: from, to: to, err: l.Release(ctx)}
 		}()
-		rwQueued(t, e, "o", int64(i+1))
+		e.Queued(t, "o", int64(i+1))
 	}
 	h.setFail(func(*kr44Call) (string, time.Duration) { return "busy", 0 })
 	time.Sleep(poll + 100*time.Millisecond) // keep calls on their way are back
-	require.NoError(t, e.rdb.Del(ctx, e.key("o", "w")).Err())
-	q := e.rdb.ZCard(ctx, e.key("o", "q")).Val()
+	require.NoError(t, e.Rdb.Del(ctx, e.Key("o", "w")).Err())
+	q := e.Rdb.ZCard(ctx, e.Key("o", "q")).Val()
 	rel, acq := relThenAcquire(held)
 	t.Logf("queue %d ids without an expiry; release %v, then a new waiter served in %v (control with an empty queue: %v, %v)", q, rel, acq, ctlRel, ctlAcq)
 	assert.EqualValues(t, waiters, q)
 	assert.Less(t, acq, ctlAcq+poll, "a new waiter waited behind ids without an expiry")
-	restored := rv3Now(e.rdb)
+	restored := leasetest.RedisNow(e.Rdb)
 	h.setFail(nil)
 	var ivs [][2]int64
 	var last int64
@@ -676,7 +677,7 @@ func TestReviewAdmit45OrphanQueue(t *testing.T) {
 	for i := 1; i < len(ivs); i++ {
 		assert.LessOrEqual(t, ivs[i-1][1], ivs[i][0], "two leases believed held at once (N = 1)")
 	}
-	t.Logf("A's %d waiters all served %v after its keep calls went through again", waiters, rv3Ms(last-restored))
+	t.Logf("A's %d waiters all served %v after its keep calls went through again", waiters, leasetest.Ms(last-restored))
 }
 
 // TestReviewAdmit45LostGrantReply: N = 1, TTL 1.5 s, poll 250 ms, the
@@ -688,16 +689,16 @@ func TestReviewAdmit45OrphanQueue(t *testing.T) {
 // TTL (the bound the doc gives when the leave calls all fail) and
 // reported against the poll.
 func TestReviewAdmit45LostGrantReply(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const ttl, poll = 1500 * time.Millisecond, 250 * time.Millisecond
-	rec := newAd45Rec(e.rdb)
+	rec := newAd45Rec(e.Rdb)
 	sems := ad45Sems(t, e, rec, 2, 1, ttl, poll)
 	a, c := sems[0], sems[1]
 	var took []time.Duration
 	for i := range 6 {
 		rec.loseP.Store(1000)
-		t0 := rv3Now(e.rdb)
+		t0 := leasetest.RedisNow(e.Rdb)
 		_, err := a.Acquire(context.WithValue(ctx, ad45Tag{}, fmt.Sprint("lost", i)), "g")
 		rec.loseP.Store(0)
 		require.ErrorIs(t, err, throttle.ErrReplyLost)
@@ -705,15 +706,15 @@ func TestReviewAdmit45LostGrantReply(t *testing.T) {
 		l, err := c.Acquire(cctx, "g")
 		cancel()
 		require.NoError(t, err)
-		t1 := rv3Now(e.rdb)
+		t1 := leasetest.RedisNow(e.Rdb)
 		rerr := l.Release(ctx)
 		if rerr != nil {
-			seen := rvLook(ctx, e.rdb, e, "g", l.Token())
-			hs, _ := e.rdb.ZRangeWithScores(ctx, e.key("g", "h"), 0, -1).Result()
-			t.Logf("round %d: C granted token %d %v after A's call, Release: %v; after it, Redis: id %q held %v margin %v; holders %v", i, l.Token(), rv3Ms(t1-t0), rerr, seen.id, seen.held, seen.margin(), hs)
+			seen := leasetest.Look(ctx, e.Rdb, e, "g", l.Token())
+			hs, _ := e.Rdb.ZRangeWithScores(ctx, e.Key("g", "h"), 0, -1).Result()
+			t.Logf("round %d: C granted token %d %v after A's call, Release: %v; after it, Redis: id %q held %v margin %v; holders %v", i, l.Token(), leasetest.Ms(t1-t0), rerr, seen.ID, seen.Held, seen.Margin(), hs)
 		}
 		assert.NoError(t, rerr, "round %d: C's Release, just after its Acquire returned", i)
-		took = append(took, rv3Ms(t1-t0))
+		took = append(took, leasetest.Ms(t1-t0))
 		time.Sleep(ttl) // the breakers close, L expires
 	}
 	t.Logf("the key held by an id whose Acquire returned ErrReplyLost for %v (poll %v, TTL %v)", took, poll, ttl)
@@ -741,10 +742,10 @@ func (h *ad45Race) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 }
 func (h *ad45Race) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		argv, _ := rvScriptArgs(cmd)
+		argv, _ := leasetest.ScriptArgs(cmd)
 		tag := ""
 		switch {
-		case rvIsKeep(cmd) && len(argv) > 4 && h.armKeep.CompareAndSwap(true, false):
+		case leasetest.IsKeep(cmd) && len(argv) > 4 && h.armKeep.CompareAndSwap(true, false):
 			err := next(ctx, cmd)
 			h.ran <- argv
 			time.Sleep(h.keepWait)
@@ -774,12 +775,12 @@ func (h *ad45Race) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 // by TestReviewAdmit45LostGrantReply, where A's leave retry (which
 // grants C's waiter) and C's poll come due together.
 func TestReviewAdmit45KeepReplyAfterRelease(t *testing.T) {
-	e := newEnv(t)
+	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	const ttl, poll = 3 * time.Second, 200 * time.Millisecond
 	h := &ad45Race{keepWait: 300 * time.Millisecond, relWait: 400 * time.Millisecond, ran: make(chan []any, 1)}
-	b := rvSem(t, e.eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	c := rvSem(t, rvDirect(t, e, 5*time.Second, h), 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	c := leasetest.SemOn(t, leasetest.Direct(t, e, 5*time.Second, h), 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	require.NoError(t, c.Load(ctx))
 	held, err := b.Acquire(ctx, "r")
 	require.NoError(t, err)
@@ -787,17 +788,17 @@ func TestReviewAdmit45KeepReplyAfterRelease(t *testing.T) {
 	actx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	wt45Acquire(actx, e, c, "c", "r", got)
-	rwQueued(t, e, "r", 1)
+	e.Queued(t, "r", 1)
 	h.armKeep.Store(true)
 	argv := <-h.ran // C's keep call ran: its waiter refreshed; its reply held back
 	require.NoError(t, held.Release(ctx))
 	g := <-got
 	require.NoError(t, g.err)
 	lostBefore := rv5IsLost(g.l)
-	seen := rvLook(ctx, e.rdb, e, "r", g.l.Token())
+	seen := leasetest.Look(ctx, e.Rdb, e, "r", g.l.Token())
 	h.armRel.Store(true)
 	rerr := g.l.Release(ctx)
-	t.Logf("keep call %v; C granted token %d (Redis holds it: %v, %v left; Lost closed: %v); Release: %v", argv[3:], g.l.Token(), seen.held, seen.margin(), lostBefore, rerr)
+	t.Logf("keep call %v; C granted token %d (Redis holds it: %v, %v left; Lost closed: %v); Release: %v", argv[3:], g.l.Token(), seen.Held, seen.Margin(), lostBefore, rerr)
 	h.mu.Lock()
 	t.Logf("C's release and leave calls as they went out (the release is the one held back): %v", h.sent)
 	h.mu.Unlock()

@@ -1,0 +1,302 @@
+// Package leasetest is the test rig shared by package lease's tests and
+// the reviews in lease/internal/leasereview: an engine on a key prefix of
+// its own (Env), Semaphores closed when the test ends, the Redis keys of a
+// subject, engines over proxied or hooked clients, a goroutine check after
+// Close, a hook that sees every command, and the Redis side of a lease
+// found by its fencing token. Nothing outside tests imports it.
+package leasetest
+
+import (
+	"context"
+	"fmt"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/slotbook/slotbook/internal/callcount"
+	"github.com/slotbook/slotbook/internal/redistest"
+	"github.com/slotbook/slotbook/lease"
+	"github.com/slotbook/slotbook/throttle"
+)
+
+// Env is one test's engine on a key prefix of its own.
+type Env struct {
+	Srv    *redistest.Server
+	Rdb    *redis.Client
+	Calls  *callcount.Counter
+	Eng    *throttle.Engine
+	Prefix string
+}
+
+// NewEnv returns an Env on the test binary's shared server.
+func NewEnv(t *testing.T) *Env {
+	t.Helper()
+	srv := redistest.Shared(t)
+	srv.RequireReal(t)
+	rdb := srv.Client(t)
+	calls := callcount.Attach(rdb)
+	prefix := redistest.Prefix(t)
+	// A generous timeout: these tests check logic, not latency.
+	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second))
+	require.NoError(t, err)
+	return &Env{Srv: srv, Rdb: rdb, Calls: calls, Eng: eng, Prefix: prefix}
+}
+
+// Sem builds a Semaphore named partner on e's engine, closed when the
+// test ends.
+func (e *Env) Sem(t *testing.T, n int, opts ...lease.Option) *lease.Semaphore {
+	t.Helper()
+	s, err := lease.New(e.Eng, "partner", n, opts...)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = s.Close(context.Background()) })
+	return s
+}
+
+// Key returns the full Redis key of one of subject's lease structures
+// (h holders, q queue, w waiters, t tokens, c counter).
+func (e *Env) Key(subject, part string) string {
+	return e.Prefix + "partner:{" + subject + "}:lease:" + part
+}
+
+// Keys lists the Redis keys under the test's prefix.
+func (e *Env) Keys(t *testing.T) []string {
+	t.Helper()
+	ks, err := e.Rdb.Keys(context.Background(), e.Prefix+"*").Result()
+	require.NoError(t, err)
+	return ks
+}
+
+// KeysBut is Keys without subject's set of waiters that gave up (:l),
+// which is kept for a TTL after the last of them (so that a call their
+// leave overtook does not queue them again): it checks that the set
+// expires within ttl and a second.
+func (e *Env) KeysBut(t *testing.T, subject string, ttl time.Duration) []string {
+	t.Helper()
+	var out []string
+	for _, k := range e.Keys(t) {
+		if k != e.Key(subject, "l") {
+			out = append(out, k)
+			continue
+		}
+		d, err := e.Rdb.PTTL(context.Background(), k).Result()
+		require.NoError(t, err)
+		require.True(t, d > 0 && d <= ttl+time.Second, "%s expires in %v, want within %v", k, d, ttl+time.Second)
+	}
+	return out
+}
+
+// Queued waits (as WaitFor) until subject's queue holds want waiters.
+func (e *Env) Queued(t *testing.T, subject string, want int64) {
+	t.Helper()
+	WaitFor(t, func() bool { return e.Rdb.ZCard(context.Background(), e.Key(subject, "q")).Val() == want })
+}
+
+// NoGhosts checks that no holder, queue or waiter entry of subjects is
+// left in Redis.
+func (e *Env) NoGhosts(t *testing.T, subjects []string) {
+	t.Helper()
+	ctx := context.Background()
+	for _, k := range subjects {
+		for _, part := range []string{"h", "q", "w"} {
+			v := e.Rdb.ZRange(ctx, e.Key(k, part), 0, -1).Val()
+			require.Empty(t, v, "%s of %s left in Redis after every worker is done and Close", part, k)
+		}
+	}
+}
+
+// WaitFor polls cond until it holds, for at most 20 s.
+func WaitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("condition never held")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// Proxied returns a proxy to e's server and an engine (on e's prefix)
+// over a client through it, with its options changed by tweak (if not
+// nil) and hooks added.
+func Proxied(t *testing.T, e *Env, timeout time.Duration, tweak func(*redis.Options), hooks ...redis.Hook) (*redistest.Proxy, *throttle.Engine) {
+	t.Helper()
+	p := redistest.NewProxy(t, e.Srv.Addr)
+	var c *redis.Client
+	if tweak != nil {
+		c = p.Client(t, e.Srv, tweak)
+	} else {
+		c = p.Client(t, e.Srv)
+	}
+	for _, h := range hooks {
+		c.AddHook(h)
+	}
+	eng, err := throttle.New(c, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(timeout))
+	require.NoError(t, err)
+	return p, eng
+}
+
+// Direct returns an engine (on e's prefix) over a client of its own,
+// with hooks added.
+func Direct(t *testing.T, e *Env, timeout time.Duration, hooks ...redis.Hook) *throttle.Engine {
+	t.Helper()
+	c := e.Srv.Client(t)
+	for _, h := range hooks {
+		c.AddHook(h)
+	}
+	eng, err := throttle.New(c, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(timeout))
+	require.NoError(t, err)
+	return eng
+}
+
+// SemOn builds a Semaphore named partner on eng, closed (within 5 s) when
+// the test ends.
+func SemOn(t *testing.T, eng *throttle.Engine, n int, opts ...lease.Option) *lease.Semaphore {
+	t.Helper()
+	s, err := lease.New(eng, "partner", n, opts...)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = s.Close(ctx)
+	})
+	return s
+}
+
+// leaseGoroutines counts goroutines running code of package lease.
+func leaseGoroutines() int {
+	buf := make([]byte, 4<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	n := 0
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if strings.Contains(g, "slotbook/slotbook/lease.") {
+			n++
+		}
+	}
+	return n
+}
+
+// Settled polls until no goroutine of package lease is left, or within
+// has passed.
+func Settled(t *testing.T, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for leaseGoroutines() != 0 {
+		if time.Now().After(deadline) {
+			buf := make([]byte, 1<<20)
+			t.Errorf("%d goroutines of package lease left %v after Close:\n%s", leaseGoroutines(), within, buf[:runtime.Stack(buf, true)])
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// ScriptArgs returns a script call's ARGV and KEYS, or nil.
+func ScriptArgs(cmd redis.Cmder) (argv []any, keys []string) {
+	a := cmd.Args()
+	if (cmd.Name() != "evalsha" && cmd.Name() != "eval") || len(a) < 3 {
+		return nil, nil
+	}
+	nk, ok := a[2].(int)
+	if !ok || len(a) < 3+nk {
+		return nil, nil
+	}
+	for _, k := range a[3 : 3+nk] {
+		keys = append(keys, fmt.Sprint(k))
+	}
+	return a[3+nk:], keys
+}
+
+// IsKeep tells a keep call (its 4th argument is the count of held ids).
+func IsKeep(cmd redis.Cmder) bool {
+	argv, _ := ScriptArgs(cmd)
+	if len(argv) < 4 {
+		return false
+	}
+	_, ok := argv[3].(int)
+	return ok
+}
+
+// Hook calls Before (if set) before each command is sent, and After (if
+// set) once it has its reply, in the caller's goroutine: either may block
+// it, as a scheduler or a slow path would.
+type Hook struct {
+	Before func(cmd redis.Cmder)
+	After  func(cmd redis.Cmder, took time.Duration)
+}
+
+func (h Hook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if h.Before != nil {
+			h.Before(cmd)
+		}
+		t0 := time.Now()
+		err := next(ctx, cmd)
+		if h.After != nil {
+			h.After(cmd, time.Since(t0))
+		}
+		return err
+	}
+}
+func (h Hook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// Probe finds the lease of token on the Redis side: its id, its expiry
+// (ZSCORE, µs), Redis's TIME (µs) and whether it is still a holder.
+var Probe = redis.NewScript(`
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local all = redis.call('HGETALL', KEYS[2])
+for i = 1, #all, 2 do
+  if all[i + 1] == ARGV[1] then
+    local s = redis.call('ZSCORE', KEYS[1], all[i])
+    if s then return {all[i], tonumber(s), now, 1} end
+    return {all[i], 0, now, 0}
+  end
+end
+return {'', 0, now, 0}
+`)
+
+// Seen is the Redis side of a lease, as Look found it.
+type Seen struct {
+	ID          string
+	Expiry, Now int64 // µs, Redis clock
+	Held        bool
+}
+
+// Margin is how long Redis still holds the lease.
+func (s Seen) Margin() time.Duration { return time.Duration(s.Expiry-s.Now) * time.Microsecond }
+
+// Look finds the lease of token under key on the Redis side (the zero
+// Seen if the Probe fails).
+func Look(ctx context.Context, rdb *redis.Client, e *Env, key string, token int64) Seen {
+	v, err := Probe.Run(ctx, rdb, []string{e.Key(key, "h"), e.Key(key, "t")}, fmt.Sprint(token)).Slice()
+	if err != nil || len(v) != 4 {
+		return Seen{}
+	}
+	id, _ := v[0].(string)
+	s, _ := v[1].(int64)
+	now, _ := v[2].(int64)
+	h, _ := v[3].(int64)
+	return Seen{ID: id, Expiry: s, Now: now, Held: h == 1}
+}
+
+// RedisNow is Redis's TIME in µs (0 if it cannot be read).
+func RedisNow(rdb *redis.Client) int64 {
+	tm, err := rdb.Time(context.Background()).Result()
+	if err != nil {
+		return 0
+	}
+	return tm.UnixMicro()
+}
+
+// Ms is us µs as a Duration, to the millisecond (for logs).
+func Ms(us int64) time.Duration {
+	return (time.Duration(us) * time.Microsecond).Round(time.Millisecond)
+}
