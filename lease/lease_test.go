@@ -104,7 +104,7 @@ func TestWaiterWokenOnRelease(t *testing.T) {
 		}
 		got <- l
 	}()
-	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 1 })
+	e.Queued(t, "k", 1)
 	require.NoError(t, held.Release(ctx))
 	select {
 	case l := <-got:
@@ -153,7 +153,7 @@ func TestCallsPerLease(t *testing.T) {
 		}
 		got <- err
 	}()
-	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 1 })
+	e.Queued(t, "k", 1)
 	require.NoError(t, held.Release(ctx))
 	require.NoError(t, <-got)
 	if n := wcalls.Load(); n > 3 {
@@ -186,7 +186,7 @@ func TestCancelledWaitersLeaveNothing(t *testing.T) {
 			}
 		}()
 	}
-	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == waiters })
+	e.Queued(t, "k", waiters)
 	cancel()
 	wg.Wait()
 	if got := errs.Load(); got != waiters {
@@ -224,7 +224,7 @@ func TestCancelAtGrantNeverHolds(t *testing.T) {
 			l, _ := other.Acquire(wctx, "k")
 			got <- l
 		}()
-		leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 1 })
+		e.Queued(t, "k", 1)
 		// Release and cancel at once, staggered by a few microseconds
 		// either way.
 		go func() { time.Sleep(time.Duration(i%5) * 50 * time.Microsecond); cancel() }()
@@ -315,7 +315,7 @@ func TestClosedSemaphore(t *testing.T) {
 	require.NoError(t, err)
 	_ = otherHeld
 	go func() { _, err := s.Acquire(ctx, "k2"); waiting <- err }()
-	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k2", "q")).Result(); return n == 1 })
+	e.Queued(t, "k2", 1)
 	require.NoError(t, s.Close(ctx))
 	if err := <-waiting; !errors.Is(err, lease.ErrClosed) {
 		t.Errorf("waiter at Close: got %v, want ErrClosed", err)
@@ -367,7 +367,7 @@ func TestPollCoversLostWakeUps(t *testing.T) {
 		}
 		got <- err
 	}()
-	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 1 })
+	e.Queued(t, "k", 1)
 	require.NoError(t, held.Release(ctx))
 	require.NoError(t, <-got, "the poll never found the grant")
 	// The wake-up pushed for it was never read: it lapses with its list.

@@ -187,7 +187,7 @@ func TestGrantInReplyCountsFromItsCall(t *testing.T) {
 		l, err := s.Acquire(ctx, "k")
 		got <- result{l, err}
 	}()
-	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 1 })
+	e.Queued(t, "k", 1)
 	// The waiter's first refresh comes a poll interval (2 s) after the
 	// room was made; pause before it, and past the waiter's TTL. A machine
 	// too busy to queue the waiter by then has missed the scene.
@@ -234,9 +234,9 @@ func queueAThenB(t *testing.T, e *leasetest.Env, ctx context.Context, a, b *leas
 	require.NoError(t, err)
 	gotA, gotB = make(chan acquired, 1), make(chan acquired, 1)
 	go func() { l, err := a.Acquire(ctx, "k"); gotA <- acquired{l, err} }()
-	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 1 })
+	e.Queued(t, "k", 1)
 	go func() { l, err := b.Acquire(ctx, "k"); gotB <- acquired{l, err} }()
-	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 2 })
+	e.Queued(t, "k", 2)
 	return l1, gotA, gotB
 }
 

@@ -190,7 +190,7 @@ func TestKilledHolderFreesWithinTTL(t *testing.T) {
 			got <- l
 		}()
 	}
-	leasetest.WaitFor(t, func() bool { c, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return c == n })
+	e.Queued(t, "k", n)
 
 	require.NoError(t, holder.cmd.Process.Signal(syscall.SIGKILL))
 	_ = holder.wait()
@@ -249,7 +249,7 @@ func TestFIFOAcrossProcesses(t *testing.T) {
 	for i := range waiters {
 		_, err := fmt.Fprintf(ps[i%procs].stdin, "go w%02d\n", i)
 		require.NoError(t, err)
-		leasetest.WaitFor(t, func() bool { c, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return c == int64(i+1) })
+		e.Queued(t, "k", int64(i+1))
 	}
 	require.NoError(t, held.Release(ctx))
 	type grant struct {

@@ -603,7 +603,7 @@ func TestReviewLease2CloseDuringKeepCall(t *testing.T) {
 	for range 2 {
 		go func() { _, err := s.Acquire(ctx, "k"); errs <- err }()
 	}
-	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 2 })
+	e.Queued(t, "k", 2)
 	armed.Store(true)
 	select {
 	case <-caught:

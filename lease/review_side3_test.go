@@ -230,7 +230,7 @@ func TestReviewLease3FreshLeaseDeadBlpop(t *testing.T) {
 				}
 				wch <- l
 			}()
-			leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 1 })
+			e.Queued(t, "k", 1)
 			time.Sleep(100 * time.Millisecond)
 			armed.Store(true)
 			leasetest.WaitFor(t, func() bool { return blpopTook.Load() == -1 })
@@ -573,7 +573,7 @@ func TestReviewLease3CloseKeepCallsOut(t *testing.T) {
 	for range 3 {
 		go func() { _, err := a.Acquire(ctx, "k"); werrs <- err }()
 	}
-	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 3 })
+	e.Queued(t, "k", 3)
 	p.SetReplyDelay(350 * time.Millisecond)
 	leasetest.WaitFor(t, func() bool { return keepOut.Load() >= 2 })
 	out := keepOut.Load()
@@ -633,7 +633,7 @@ func TestReviewLease3CloseRedisPaused(t *testing.T) {
 	for range 2 {
 		go func() { _, err := a.Acquire(ctx, "k"); werrs <- err }()
 	}
-	leasetest.WaitFor(t, func() bool { n, _ := direct.ZCard(ctx, e.Key("k", "q")).Result(); return n == 2 })
+	e.Queued(t, "k", 2)
 	time.Sleep(time.Duration(rand.IntN(60)) * time.Millisecond)
 	require.NoError(t, syscall.Kill(srv.Pid(), syscall.SIGSTOP))
 	paused := true

@@ -166,7 +166,7 @@ func TestReviewLease4StaleWakeupOverlap(t *testing.T) {
 		require.NoError(t, err)
 		bctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 		got := rv4Acquire(bctx, sB, key)
-		leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key(key, "q")).Result(); return n == 1 })
+		e.Queued(t, key, 1)
 		time.Sleep(150 * time.Millisecond) // B's keeper is blocking on its wake-up list
 		sw.cut()
 		time.Sleep(100 * time.Millisecond) // Redis drops the BLPOP with its connection
@@ -332,7 +332,7 @@ func TestReviewLease4LostBeforeRedisLapse(t *testing.T) {
 		h, err := s.Acquire(ctx, key)
 		require.NoError(t, err)
 		got := rv4Acquire(ctx, s, key)
-		leasetest.WaitFor(t, func() bool { n, _ := judge.ZCard(ctx, e.Key(key, "q")).Result(); return n == 1 })
+		e.Queued(t, key, 1)
 		time.Sleep(ttl / 2) // the waiter's since ages
 		require.NoError(t, h.Release(ctx))
 		r := <-got
@@ -343,7 +343,7 @@ func TestReviewLease4LostBeforeRedisLapse(t *testing.T) {
 		h, err = s.Acquire(ctx, key)
 		require.NoError(t, err)
 		got = rv4Acquire(ctx, s, key)
-		leasetest.WaitFor(t, func() bool { n, _ := judge.ZCard(ctx, e.Key(key, "q")).Result(); return n == 1 })
+		e.Queued(t, key, 1)
 		time.Sleep(200 * time.Millisecond)       // the waiter's acquire reply is back
 		px.SetReplyDelay(600 * time.Millisecond) // Release's reply is lost; the grant is found by a keep call
 		rerr := h.Release(ctx)
@@ -357,7 +357,7 @@ func TestReviewLease4LostBeforeRedisLapse(t *testing.T) {
 		h, err = other.Acquire(ctx, key)
 		require.NoError(t, err)
 		got = rv4Acquire(ctx, s, key)
-		leasetest.WaitFor(t, func() bool { n, _ := judge.ZCard(ctx, e.Key(key, "q")).Result(); return n == 1 })
+		e.Queued(t, key, 1)
 		time.Sleep(300 * time.Millisecond)
 		require.NoError(t, h.Release(ctx))
 		r = <-got
@@ -691,7 +691,7 @@ func TestReviewLease4Ring(t *testing.T) {
 	h, err := a.Acquire(ctx, "r")
 	require.NoError(t, err)
 	got := rv4Acquire(ctx, b, "r")
-	leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("r", "q")).Result(); return n == 1 })
+	e.Queued(t, "r", 1)
 	time.Sleep(100 * time.Millisecond)
 	released := time.Now()
 	require.NoError(t, h.Release(ctx))

@@ -311,7 +311,7 @@ func TestReviewLeaseKeepRequeuesGoneWaiter(t *testing.T) {
 			}
 			got := make(chan res, 1)
 			go func() { l, err := s.Acquire(wctx, "k"); got <- res{l, err} }()
-			leasetest.WaitFor(t, func() bool { n, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return n == 1 })
+			e.Queued(t, "k", 1)
 			blk.armed.Store(true)
 			select {
 			case <-blk.caught:
@@ -631,10 +631,10 @@ func TestReviewLeaseFIFOWithLatency(t *testing.T) {
 			time.Sleep(5 * time.Millisecond)
 			_ = l.Release(ctx)
 		}()
-		leasetest.WaitFor(t, func() bool { c, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return c == int64(i+1) })
+		e.Queued(t, "k", int64(i+1))
 	}
 	cancels[4]()
-	leasetest.WaitFor(t, func() bool { c, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result(); return c == waiters-1 })
+	e.Queued(t, "k", waiters-1)
 	require.NoError(t, held.Release(ctx))
 	wg.Wait()
 	close(grants)
