@@ -117,15 +117,6 @@ func rv4Acquire(ctx context.Context, s *lease.Semaphore, key string) <-chan rv4R
 	return ch
 }
 
-func rv4Lost(l *lease.Lease) bool {
-	select {
-	case <-l.Lost():
-		return true
-	default:
-		return false
-	}
-}
-
 // --- 1a. A stale wake-up delivered after the waiter was queued again -----
 
 // TestReviewLease4StaleWakeupOverlap: process B waits on a key; B is cut
@@ -227,7 +218,7 @@ func TestReviewLease4StaleWakeupOverlap(t *testing.T) {
 		case r.err == nil:
 			left, _ := redisLeft(ctx, e, key)
 			_, bHeld := left[r.l.Token()]
-			aOK, bOK := !rv4Lost(hA2), !rv4Lost(r.l)
+			aOK, bOK := !leasetest.IsLost(hA2), !leasetest.IsLost(r.l)
 			msg := fmt.Sprintf("trial %d: B's Acquire returned token %d (Lost closed: %v; held in Redis: %v), A holds token %d (Lost closed: %v); Redis holders %v; wake-ups pending at the cut %d",
 				i, r.l.Token(), !bOK, bHeld, hA2.Token(), !aOK, left, pending)
 			if aOK && bOK && !bHeld {
@@ -436,7 +427,7 @@ func TestReviewLease4LostRepliesNoOverlap(t *testing.T) {
 				}
 				time.Sleep(20 * time.Millisecond)
 				to := time.Now()
-				lost := rv4Lost(l)
+				lost := leasetest.IsLost(l)
 				if !lost {
 					mu.Lock()
 					ivs = append(ivs, iv{from, to, p.name, l.Token()})

@@ -794,7 +794,7 @@ func TestReviewAdmit45KeepReplyAfterRelease(t *testing.T) {
 	require.NoError(t, held.Release(ctx))
 	g := <-got
 	require.NoError(t, g.err)
-	lostBefore := rv5IsLost(g.l)
+	lostBefore := leasetest.IsLost(g.l)
 	seen := leasetest.Look(ctx, e.Rdb, e, "r", g.l.Token())
 	h.armRel.Store(true)
 	rerr := g.l.Release(ctx)

@@ -45,15 +45,6 @@ func rv5Look(ctx context.Context, rdb redis.Scripter, prefix, key string, token 
 	return leasetest.Seen{ID: id, Expiry: s, Now: now, Held: h == 1}, nil
 }
 
-func rv5IsLost(l *lease.Lease) bool {
-	select {
-	case <-l.Lost():
-		return true
-	default:
-		return false
-	}
-}
-
 // rv5Judge keeps, per key, the leases callers believe they hold and the
 // tokens handed out, and checks every hand-out against Redis.
 type rv5Judge struct {
@@ -98,7 +89,7 @@ func (j *rv5Judge) startAcquire(key string) int64 {
 func (j *rv5Judge) got(ctx context.Context, key string, l *lease.Lease, before int64) {
 	j.grants.Add(1)
 	seen, err := rv5Look(ctx, j.rdb, j.prefix, key, l.Token())
-	lost := rv5IsLost(l)
+	lost := leasetest.IsLost(l)
 	if err != nil {
 		j.viol("%s token %d: judge's probe failed: %v", key, l.Token(), err)
 	} else if (!seen.Held || seen.Margin() <= 0) && !lost {
@@ -113,7 +104,7 @@ func (j *rv5Judge) got(ctx context.Context, key string, l *lease.Lease, before i
 	}
 	believed := []int64{l.Token()}
 	for tok, o := range j.held[key] {
-		if !rv5IsLost(o) {
+		if !leasetest.IsLost(o) {
 			believed = append(believed, tok)
 		}
 	}

@@ -512,7 +512,7 @@ func TestReviewSpare45LapseWhileKeepOut(t *testing.T) {
 				go func() {
 					l, err := c.Acquire(actx, "z")
 					b := bl.Load()
-					cgot <- cGot{l, err, b == nil || !rv5IsLost(b)}
+					cgot <- cGot{l, err, b == nil || !leasetest.IsLost(b)}
 				}()
 				e.Queued(t, "z", 2)
 				h.keep.reply = make(chan struct{})

@@ -167,6 +167,16 @@ func SemOn(t *testing.T, eng *throttle.Engine, n int, opts ...lease.Option) *lea
 	return s
 }
 
+// IsLost tells whether l's Lost channel has closed, without waiting.
+func IsLost(l *lease.Lease) bool {
+	select {
+	case <-l.Lost():
+		return true
+	default:
+		return false
+	}
+}
+
 // leaseGoroutines counts goroutines running code of package lease.
 func leaseGoroutines() int {
 	buf := make([]byte, 4<<20)
