@@ -27,24 +27,6 @@ import (
 	"github.com/slotbook/slotbook/throttle"
 )
 
-// rv5Look is leasetest.Look on any Scripter (a Cluster client routes the probe to
-// the key's node, whose TIME it reads).
-func rv5Look(ctx context.Context, rdb redis.Scripter, prefix, key string, token int64) (leasetest.Seen, error) {
-	base := prefix + "partner:{" + key + "}:lease:"
-	v, err := leasetest.Probe.Run(ctx, rdb, []string{base + "h", base + "t"}, fmt.Sprint(token)).Slice()
-	if err != nil {
-		return leasetest.Seen{}, err
-	}
-	if len(v) != 4 {
-		return leasetest.Seen{}, fmt.Errorf("probe reply %v", v)
-	}
-	id, _ := v[0].(string)
-	s, _ := v[1].(int64)
-	now, _ := v[2].(int64)
-	h, _ := v[3].(int64)
-	return leasetest.Seen{ID: id, Expiry: s, Now: now, Held: h == 1}, nil
-}
-
 // rv5Judge keeps, per key, the leases callers believe they hold and the
 // tokens handed out, and checks every hand-out against Redis.
 type rv5Judge struct {
@@ -88,7 +70,7 @@ func (j *rv5Judge) startAcquire(key string) int64 {
 // began, and with it at most N leases are believed held.
 func (j *rv5Judge) got(ctx context.Context, key string, l *lease.Lease, before int64) {
 	j.grants.Add(1)
-	seen, err := rv5Look(ctx, j.rdb, j.prefix, key, l.Token())
+	seen, err := leasetest.LookOn(ctx, j.rdb, j.prefix, key, l.Token())
 	lost := leasetest.IsLost(l)
 	if err != nil {
 		j.viol("%s token %d: judge's probe failed: %v", key, l.Token(), err)
@@ -113,7 +95,7 @@ func (j *rv5Judge) got(ctx context.Context, key string, l *lease.Lease, before i
 	if len(believed) > j.n {
 		var st []string
 		for _, tok := range believed {
-			s, _ := rv5Look(ctx, j.rdb, j.prefix, key, tok)
+			s, _ := leasetest.LookOn(ctx, j.rdb, j.prefix, key, tok)
 			st = append(st, fmt.Sprintf("%d(held %v, margin %v)", tok, s.Held, s.Margin()))
 		}
 		j.viol("%s: %d believed holders at once, N = %d: %v", key, len(believed), j.n, st)
@@ -123,7 +105,7 @@ func (j *rv5Judge) got(ctx context.Context, key string, l *lease.Lease, before i
 // lost records a Lost closing: false if Redis still held the lease with
 // more than half its TTL left.
 func (j *rv5Judge) lost(ctx context.Context, key string, l *lease.Lease) {
-	seen, err := rv5Look(ctx, j.rdb, j.prefix, key, l.Token())
+	seen, err := leasetest.LookOn(ctx, j.rdb, j.prefix, key, l.Token())
 	if err == nil && seen.Held && seen.Margin() > j.ttl/2 {
 		j.mu.Lock()
 		j.falseErr = append(j.falseErr, fmt.Sprintf("%s token %d: Lost closed with %v left in Redis", key, l.Token(), seen.Margin()))

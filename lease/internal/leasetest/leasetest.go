@@ -286,15 +286,28 @@ func (s Seen) Margin() time.Duration { return time.Duration(s.Expiry-s.Now) * ti
 // Look finds the lease of token under key on the Redis side (the zero
 // Seen if the Probe fails).
 func Look(ctx context.Context, rdb *redis.Client, e *Env, key string, token int64) Seen {
-	v, err := Probe.Run(ctx, rdb, []string{e.Key(key, "h"), e.Key(key, "t")}, fmt.Sprint(token)).Slice()
-	if err != nil || len(v) != 4 {
-		return Seen{}
+	s, _ := LookOn(ctx, rdb, e.Prefix, key, token)
+	return s
+}
+
+// LookOn is Look on any Scripter (a Cluster client routes the Probe to
+// the key's node, whose TIME it reads), for a Semaphore named partner on
+// an engine with the given key prefix. It returns the Probe's error, or
+// one naming a reply that is not four values, with the zero Seen.
+func LookOn(ctx context.Context, rdb redis.Scripter, prefix, key string, token int64) (Seen, error) {
+	base := prefix + "partner:{" + key + "}:lease:"
+	v, err := Probe.Run(ctx, rdb, []string{base + "h", base + "t"}, fmt.Sprint(token)).Slice()
+	if err != nil {
+		return Seen{}, err
+	}
+	if len(v) != 4 {
+		return Seen{}, fmt.Errorf("probe reply %v", v)
 	}
 	id, _ := v[0].(string)
 	s, _ := v[1].(int64)
 	now, _ := v[2].(int64)
 	h, _ := v[3].(int64)
-	return Seen{ID: id, Expiry: s, Now: now, Held: h == 1}
+	return Seen{ID: id, Expiry: s, Now: now, Held: h == 1}, nil
 }
 
 // RedisNow is Redis's TIME in µs (0 if it cannot be read).
