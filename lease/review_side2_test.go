@@ -577,23 +577,8 @@ func TestReviewLease2CloseDuringKeepCall(t *testing.T) {
 	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	ttl := 3 * time.Second
-	var armed atomic.Bool
-	caught, resume := make(chan struct{}), make(chan struct{})
-	c := e.Srv.Client(t)
-	c.AddHook(leasetest.Hook{Before: func(cmd redis.Cmder) {
-		argv, _ := leasetest.ScriptArgs(cmd)
-		if len(argv) < 4 {
-			return
-		}
-		h, ok := argv[3].(int)
-		if !ok || len(argv) <= 4+h || !armed.CompareAndSwap(true, false) {
-			return
-		}
-		close(caught)
-		<-resume
-	}})
-	eng, err := throttle.New(c, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(5*time.Second))
-	require.NoError(t, err)
+	blk := &rvKeepBlocker{caught: make(chan struct{}), resume: make(chan struct{})}
+	eng := leasetest.Direct(t, e, 5*time.Second, leasetest.Hook{Before: blk.match})
 	s, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(50*time.Millisecond))
 	require.NoError(t, err)
 	other := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
@@ -604,9 +589,9 @@ func TestReviewLease2CloseDuringKeepCall(t *testing.T) {
 		go func() { _, err := s.Acquire(ctx, "k"); errs <- err }()
 	}
 	e.Queued(t, "k", 2)
-	armed.Store(true)
+	blk.armed.Store(true)
 	select {
-	case <-caught:
+	case <-blk.caught:
 	case <-time.After(5 * time.Second):
 		t.Fatal("no keep call refreshing the waiters")
 	}
@@ -620,7 +605,7 @@ func TestReviewLease2CloseDuringKeepCall(t *testing.T) {
 		require.ErrorIs(t, <-errs, lease.ErrClosed)
 	}
 	q0, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result()
-	close(resume)
+	close(blk.resume)
 	require.NoError(t, <-closed)
 	q1, _ := e.Rdb.ZCard(ctx, e.Key("k", "q")).Result()
 	require.NoError(t, first.Release(ctx)) // grants the head of the queue, if any

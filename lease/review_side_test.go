@@ -264,8 +264,9 @@ func TestReviewLeaseCallerDeadlineInFlight(t *testing.T) {
 // --- Keeper interleavings ------------------------------------------------
 
 // rvKeepBlocker blocks, once armed, the first keep call that refreshes a
-// waiter, until resume is closed: the keeper goroutine delayed between
-// taking its snapshot and reaching Redis.
+// waiter (closing caught), until resume is closed: the keeper goroutine
+// delayed between taking its snapshot and reaching Redis. Used as a
+// leasetest.Hook's Before (here and in review_side2_test.go).
 type rvKeepBlocker struct {
 	armed  atomic.Bool
 	caught chan struct{}
@@ -292,10 +293,7 @@ func TestReviewLeaseKeepRequeuesGoneWaiter(t *testing.T) {
 			ctx := context.Background()
 			ttl := 3 * time.Second
 			blk := &rvKeepBlocker{caught: make(chan struct{}), resume: make(chan struct{})}
-			c := e.Srv.Client(t)
-			c.AddHook(leasetest.Hook{Before: blk.match})
-			eng, err := throttle.New(c, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(5*time.Second))
-			require.NoError(t, err)
+			eng := leasetest.Direct(t, e, 5*time.Second, leasetest.Hook{Before: blk.match})
 			s := leasetest.SemOn(t, eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(50*time.Millisecond))
 			holderSem := s
 			if how == "cancelled" {
