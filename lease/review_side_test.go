@@ -660,8 +660,7 @@ func TestReviewLeaseReleaseRacesKeep(t *testing.T) {
 	ctx := context.Background()
 	var armed atomic.Bool
 	caught, resume := make(chan struct{}), make(chan struct{})
-	c := e.Srv.Client(t)
-	c.AddHook(leasetest.Hook{Before: func(cmd redis.Cmder) {
+	eng := leasetest.Direct(t, e, 5*time.Second, leasetest.Hook{Before: func(cmd redis.Cmder) {
 		if a, _ := leasetest.ScriptArgs(cmd); len(a) >= 5 {
 			if h, ok := a[3].(int); ok && h >= 1 && armed.CompareAndSwap(true, false) {
 				close(caught)
@@ -669,8 +668,6 @@ func TestReviewLeaseReleaseRacesKeep(t *testing.T) {
 			}
 		}
 	}})
-	eng, err := throttle.New(c, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(5*time.Second))
-	require.NoError(t, err)
 	s := leasetest.SemOn(t, eng, 2, lease.WithTTL(300*time.Millisecond))
 	a, err := s.Acquire(ctx, "k")
 	require.NoError(t, err)

@@ -270,8 +270,7 @@ func TestWakerStaleReadNotDelivered(t *testing.T) {
 	defer cancel()
 	const ttl = time.Second
 	var keepArmed, readArmed atomic.Pointer[func()]
-	rdbA := e.Srv.Client(t)
-	rdbA.AddHook(leasetest.Hook{After: func(cmd redis.Cmder, _ time.Duration) {
+	engA := leasetest.Direct(t, e, 5*time.Second, leasetest.Hook{After: func(cmd redis.Cmder, _ time.Duration) {
 		if f := keepArmed.Load(); f != nil && leasetest.IsKeep(cmd) && keepArmed.CompareAndSwap(f, nil) {
 			(*f)()
 		}
@@ -282,8 +281,6 @@ func TestWakerStaleReadNotDelivered(t *testing.T) {
 			}
 		}
 	}})
-	engA, err := throttle.New(rdbA, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(5*time.Second))
-	require.NoError(t, err)
 	opts := []lease.Option{lease.WithTTL(ttl), lease.WithPollInterval(100 * time.Millisecond)}
 	a := leasetest.SemOn(t, engA, 1, opts...)
 	b := leasetest.SemOn(t, e.Eng, 1, opts...)

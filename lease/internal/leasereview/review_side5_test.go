@@ -275,15 +275,12 @@ func TestReviewLease5StaleWakeupsChurn(t *testing.T) {
 	const ttl, poll, run = 600 * time.Millisecond, 60 * time.Millisecond, 10 * time.Second
 	var slowOn atomic.Bool
 	var slowed atomic.Int64
-	rdbA := e.Srv.Client(t)
-	rdbA.AddHook(leasetest.Hook{After: func(cmd redis.Cmder, _ time.Duration) {
+	engA := leasetest.Direct(t, e, 5*time.Second, leasetest.Hook{After: func(cmd redis.Cmder, _ time.Duration) {
 		if slowOn.Load() && leasetest.IsKeep(cmd) && rand.Intn(6) == 0 {
 			slowed.Add(1)
 			time.Sleep(ttl + ttl/3)
 		}
 	}})
-	engA, err := throttle.New(rdbA, throttle.WithPrefix(e.Prefix), throttle.WithTimeout(5*time.Second))
-	require.NoError(t, err)
 	opts := []lease.Option{lease.WithTTL(ttl), lease.WithPollInterval(poll)}
 	a := leasetest.SemOn(t, engA, 2, opts...)
 	b := leasetest.SemOn(t, leasetest.Direct(t, e, 5*time.Second), 2, opts...)
