@@ -1,17 +1,20 @@
 package lease_test
 
 // The bookkeeping of believed holders, shared by the reviews in
-// review_side2_test.go and review_side3_test.go (the rest of the tests'
-// rig is package lease/internal/leasetest's).
+// review_side2_test.go and review_side3_test.go, and a queue of waiters
+// behind held keys, shared by the reviews of the waker (the rest of the
+// tests' rig is package lease/internal/leasetest's).
 
 import (
 	"context"
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"testing"
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
 
 	"github.com/slotbook/slotbook/lease"
 	"github.com/slotbook/slotbook/lease/internal/leasetest"
@@ -111,4 +114,55 @@ func (b *rvBelieved) hook() leasetest.Hook {
 			}
 		}
 	}}
+}
+
+// behind is one waiter of a's per key, each key held by b (see
+// queueBehind).
+type behind struct {
+	keys []string
+	held []*lease.Lease // b's, one per key
+	got  chan time.Time // when a waiter got its lease (it then gives it back)
+	errs chan error     // a waiter's Acquire error
+}
+
+// queueBehind has b take a lease on each of n keys named tag0,
+// tag1..., then starts one Acquire of a's per key, each with a context
+// of within, and returns once every key's queue holds its waiter.
+func queueBehind(t *testing.T, e *leasetest.Env, a, b *lease.Semaphore, tag string, n int, within time.Duration) *behind {
+	t.Helper()
+	ctx := context.Background()
+	q := &behind{keys: make([]string, n), held: make([]*lease.Lease, n), got: make(chan time.Time, n), errs: make(chan error, n)}
+	for i := range n {
+		q.keys[i] = fmt.Sprint(tag, i)
+		var err error
+		q.held[i], err = b.Acquire(ctx, q.keys[i])
+		require.NoError(t, err)
+	}
+	for _, k := range q.keys {
+		go func() {
+			actx, cancel := context.WithTimeout(ctx, within)
+			defer cancel()
+			l, err := a.Acquire(actx, k)
+			if err != nil {
+				q.errs <- err
+				return
+			}
+			q.got <- time.Now()
+			_ = l.Release(ctx)
+		}()
+	}
+	for _, k := range q.keys {
+		e.Queued(t, k, 1)
+	}
+	return q
+}
+
+// releaseAll has b release every held lease at once, each in a
+// goroutine of its own, and returns once all are released.
+func (q *behind) releaseAll(t *testing.T) {
+	var wg sync.WaitGroup
+	for _, l := range q.held {
+		wg.Go(func() { require.NoError(t, l.Release(context.Background())) })
+	}
+	wg.Wait()
 }

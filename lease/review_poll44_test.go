@@ -106,33 +106,8 @@ func TestReviewPoll44BreakerProbeCostsAPoll(t *testing.T) {
 	a := leasetest.SemOn(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 	require.NoError(t, a.Load(ctx))
-	keys := make([]string, n)
-	held := make([]*lease.Lease, n)
-	for i := range n {
-		keys[i] = fmt.Sprint("p", i)
-		var err error
-		held[i], err = b.Acquire(ctx, keys[i])
-		require.NoError(t, err)
-	}
-	got := make(chan time.Duration, n)
-	errs := make(chan error, n)
-	for i := range n {
-		go func() {
-			actx, cancel := context.WithTimeout(ctx, 5*poll)
-			defer cancel()
-			l, err := a.Acquire(actx, keys[i])
-			if err != nil {
-				errs <- err
-				return
-			}
-			got <- time.Since(h.base)
-			_ = l.Release(ctx)
-		}()
-	}
-	for _, k := range keys {
-		e.Queued(t, k, 1)
-	}
-	for _, l := range held {
+	q := queueBehind(t, e, a, b, "p", n, 5*poll)
+	for _, l := range q.held {
 		require.NoError(t, l.Release(ctx))
 	}
 	// The breaker opens on a lost reply, with no call of A's since.
@@ -154,9 +129,9 @@ func TestReviewPoll44BreakerProbeCostsAPoll(t *testing.T) {
 	var took []time.Duration
 	for range n {
 		select {
-		case at := <-got:
-			took = append(took, at)
-		case err := <-errs:
+		case at := <-q.got:
+			took = append(took, at.Sub(h.base))
+		case err := <-q.errs:
 			t.Fatalf("a waiter was refused: %v (served so far at %v)", err, took)
 		}
 	}
@@ -170,6 +145,6 @@ func TestReviewPoll44BreakerProbeCostsAPoll(t *testing.T) {
 	}
 	require.NoError(t, a.Close(ctx))
 	require.NoError(t, b.Close(ctx))
-	e.NoGhosts(t, keys)
+	e.NoGhosts(t, q.keys)
 	leasetest.Settled(t, 2*time.Second)
 }

@@ -78,46 +78,17 @@ func TestReviewTombDrainReplyLost(t *testing.T) {
 	a := leasetest.SemOn(t, engA, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 	require.NoError(t, a.Load(ctx))
-	keys := make([]string, n)
-	held := make([]*lease.Lease, n)
-	for i := range n {
-		keys[i] = fmt.Sprint("d", i)
-		var err error
-		held[i], err = b.Acquire(ctx, keys[i])
-		require.NoError(t, err)
-	}
-	got := make(chan time.Time, n)
-	errs := make(chan error, n)
-	for i := range n {
-		go func() {
-			actx, cancel := context.WithTimeout(ctx, 5*poll)
-			defer cancel()
-			l, err := a.Acquire(actx, keys[i])
-			if err != nil {
-				errs <- err
-				return
-			}
-			got <- time.Now()
-			_ = l.Release(ctx)
-		}()
-	}
-	for _, k := range keys {
-		e.Queued(t, k, 1)
-	}
+	q := queueBehind(t, e, a, b, "d", n, 5*poll)
 	time.Sleep(300 * time.Millisecond) // a read names every key
 	drop.armed.Store(true)
 	start := time.Now()
-	var wg sync.WaitGroup
-	for _, l := range held {
-		wg.Go(func() { require.NoError(t, l.Release(ctx)) })
-	}
-	wg.Wait()
+	q.releaseAll(t)
 	var took []time.Duration
 	for range n {
 		select {
-		case at := <-got:
+		case at := <-q.got:
 			took = append(took, at.Sub(start))
-		case err := <-errs:
+		case err := <-q.errs:
 			t.Fatalf("a live waiter was refused: %v (took so far %v, drain entries dropped %d)", err, took, drop.dropped.Load())
 		}
 	}
@@ -126,7 +97,7 @@ func TestReviewTombDrainReplyLost(t *testing.T) {
 	require.Less(t, took[n-1], poll+time.Second, "a grant whose drained wake-up was lost waited past a poll")
 	require.NoError(t, a.Close(ctx))
 	require.NoError(t, b.Close(ctx))
-	e.NoGhosts(t, keys)
+	e.NoGhosts(t, q.keys)
 	leasetest.Settled(t, 2*time.Second)
 }
 

@@ -99,42 +99,15 @@ func TestReviewWakerBurstRelease(t *testing.T) {
 	require.NoError(t, a.sem.Load(ctx))
 
 	round := func(n int, tag string) (took []time.Duration) {
-		held := make([]*lease.Lease, n)
-		for k := range n {
-			var err error
-			held[k], err = b.Acquire(ctx, fmt.Sprint(tag, k))
-			require.NoError(t, err)
-		}
-		got := make(chan time.Time, n)
-		errs := make(chan error, n)
-		for k := range n {
-			go func() {
-				actx, cancel := context.WithTimeout(ctx, 3*poll)
-				defer cancel()
-				l, err := a.sem.Acquire(actx, fmt.Sprint(tag, k))
-				if err != nil {
-					errs <- err
-					return
-				}
-				got <- time.Now()
-				_ = l.Release(ctx)
-			}()
-		}
-		for k := range n {
-			e.Queued(t, fmt.Sprint(tag, k), 1)
-		}
+		q := queueBehind(t, e, a.sem, b, tag, n, 3*poll)
 		time.Sleep(1500 * time.Millisecond) // past the kicks; a read names every key
 		start := time.Now()
-		var wg sync.WaitGroup
-		for _, l := range held {
-			wg.Go(func() { require.NoError(t, l.Release(ctx)) })
-		}
-		wg.Wait()
+		q.releaseAll(t)
 		for range n {
 			select {
-			case at := <-got:
+			case at := <-q.got:
 				took = append(took, at.Sub(start))
-			case err := <-errs:
+			case err := <-q.errs:
 				t.Fatalf("acquire: %v", err)
 			}
 		}
@@ -530,34 +503,10 @@ func TestReviewWakerRedisAway(t *testing.T) {
 // keys left out of a full read), and A never blocks on two connections.
 func TestReviewWakerBeyond512(t *testing.T) {
 	e := leasetest.NewEnv(t)
-	ctx := context.Background()
 	const keys, poll, ttl = 600, 10 * time.Second, 60 * time.Second
 	a, _, _ := rwNewProc(t, e, "a", 1, ttl, poll, 0, nil)
 	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
-	held := make([]*lease.Lease, keys)
-	for k := range keys {
-		var err error
-		held[k], err = b.Acquire(ctx, fmt.Sprint("k", k))
-		require.NoError(t, err)
-	}
-	got := make(chan time.Time, keys)
-	errs := make(chan error, keys)
-	for k := range keys {
-		go func() {
-			actx, cancel := context.WithTimeout(ctx, 3*poll)
-			defer cancel()
-			l, err := a.sem.Acquire(actx, fmt.Sprint("k", k))
-			if err != nil {
-				errs <- err
-				return
-			}
-			got <- time.Now()
-			_ = l.Release(ctx)
-		}()
-	}
-	for k := range keys {
-		e.Queued(t, fmt.Sprint("k", k), 1)
-	}
+	q := queueBehind(t, e, a.sem, b, "k", keys, 3*poll)
 	time.Sleep(1500 * time.Millisecond)
 	k0 := a.cnt.kicks.Load()
 	maxB := 0
@@ -568,17 +517,13 @@ func TestReviewWakerBeyond512(t *testing.T) {
 	idleKicks := a.cnt.kicks.Load() - k0
 	b0 := a.cnt.blpops.Load()
 	start := time.Now()
-	var wg sync.WaitGroup
-	for _, l := range held {
-		wg.Go(func() { require.NoError(t, l.Release(ctx)) })
-	}
-	wg.Wait()
+	q.releaseAll(t)
 	var last time.Duration
 	for range keys {
 		select {
-		case at := <-got:
+		case at := <-q.got:
 			last = max(last, at.Sub(start))
-		case err := <-errs:
+		case err := <-q.errs:
 			t.Fatalf("acquire: %v", err)
 		}
 	}
