@@ -1,7 +1,7 @@
 package lease_test
 
 // The bookkeeping of believed holders, shared by the reviews in
-// review_side2_test.go and review_side3_test.go, and a queue of waiters
+// review_side2_test.go and review_side3_test.go, and waiters queued
 // behind held keys, shared by the reviews of the waker (the rest of the
 // tests' rig is package lease/internal/leasetest's).
 
@@ -165,4 +165,34 @@ func (q *behind) releaseAll(t *testing.T) {
 		wg.Go(func() { require.NoError(t, l.Release(context.Background())) })
 	}
 	wg.Wait()
+}
+
+// wakeAfter has holder take key, starts an Acquire of waiter's on it,
+// waits until it is queued and then settle more, and releases key: it
+// returns how long after the release the waiter got the lease (which it
+// gives back), failing the test if not within 2 poll.
+func wakeAfter(t *testing.T, e *leasetest.Env, holder, waiter *lease.Semaphore, key string, settle, poll time.Duration) time.Duration {
+	t.Helper()
+	ctx := context.Background()
+	held, err := holder.Acquire(ctx, key)
+	require.NoError(t, err)
+	got := make(chan time.Time, 1)
+	go func() {
+		l, err := waiter.Acquire(ctx, key)
+		if err == nil {
+			got <- time.Now()
+			_ = l.Release(ctx)
+		}
+	}()
+	e.Queued(t, key, 1)
+	time.Sleep(settle)
+	start := time.Now()
+	require.NoError(t, held.Release(ctx))
+	select {
+	case at := <-got:
+		return at.Sub(start)
+	case <-time.After(2 * poll):
+		t.Fatalf("waiter on %s never woken", key)
+		return 0
+	}
 }

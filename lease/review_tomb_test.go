@@ -252,7 +252,6 @@ var _ = throttle.ErrReplyLost
 // server, 10 s poll).
 func TestReviewTombShortReadTimeout(t *testing.T) {
 	e := leasetest.NewEnv(t)
-	ctx := context.Background()
 	const poll, ttl = 10 * time.Second, 30 * time.Second
 	var blpops, failed atomic.Int64
 	hook := leasetest.Hook{After: func(cmd redis.Cmder, took time.Duration) {
@@ -270,27 +269,7 @@ func TestReviewTombShortReadTimeout(t *testing.T) {
 	ctl := leasetest.SemOn(t, engCtl, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 	wake := func(s *lease.Semaphore, key string) time.Duration {
-		held, err := b.Acquire(ctx, key)
-		require.NoError(t, err)
-		got := make(chan time.Time, 1)
-		go func() {
-			l, err := s.Acquire(ctx, key)
-			if err == nil {
-				got <- time.Now()
-				_ = l.Release(ctx)
-			}
-		}()
-		e.Queued(t, key, 1)
-		time.Sleep(700 * time.Millisecond)
-		start := time.Now()
-		require.NoError(t, held.Release(ctx))
-		select {
-		case at := <-got:
-			return at.Sub(start)
-		case <-time.After(2 * poll):
-			t.Fatalf("%s never woken", key)
-		}
-		return 0
+		return wakeAfter(t, e, b, s, key, 700*time.Millisecond, poll)
 	}
 	var ctlTook, shortTook []time.Duration
 	for i := range 4 {

@@ -319,27 +319,7 @@ func TestReviewWakerBusyPool(t *testing.T) {
 	b := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 
 	wakeOnce := func(key string) time.Duration {
-		held, err := b.Acquire(ctx, key)
-		require.NoError(t, err)
-		got := make(chan time.Time, 1)
-		go func() {
-			l, err := a.sem.Acquire(ctx, key)
-			if err == nil {
-				got <- time.Now()
-				_ = l.Release(ctx)
-			}
-		}()
-		e.Queued(t, key, 1)
-		time.Sleep(1500 * time.Millisecond)
-		start := time.Now()
-		require.NoError(t, held.Release(ctx))
-		select {
-		case at := <-got:
-			return at.Sub(start)
-		case <-time.After(2 * poll):
-			t.Fatalf("waiter on %s never woken", key)
-			return 0
-		}
+		return wakeAfter(t, e, b, a.sem, key, 1500*time.Millisecond, poll)
 	}
 	control := wakeOnce("c")
 
