@@ -62,60 +62,18 @@ func sq45CloseAbandon(t *testing.T, keepOut bool, ttl, poll time.Duration) (stri
 	// engine's breaker closed, so that the calls after it reach Redis.
 	h.leave.fail = e.Rdb.Eval(ctx, "return redis.error_reply('ERR injected: leave refused')", nil).Err()
 	require.Error(t, h.leave.fail)
-	a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	b := leasetest.SemOn(t, leasetest.Direct(t, e, 5*time.Second, h), 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-	require.NoError(t, b.Load(ctx))
-	first, err := a.Acquire(ctx, "g")
-	require.NoError(t, err)
-	actx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	got := make(chan wt45Got, 1)
-	wt45Acquire(actx, e, b, "b", "g", got)
-	e.Queued(t, "g", 1)
-	if keepOut {
-		h.keep.reply = make(chan struct{})
-		h.keep.armed.Store(true)
-		sp45Wait(t, h.keep.caught, "the keep call refreshing B's waiter")
-		close(h.keep.open)
-		require.NoError(t, sp45Wait(t, h.keep.ran, "the keep call"))
-		h.spare.armed.Store(true)
+	sc := sp45AbandonScene(t, e, h, keepOut, ttl, poll)
+	if sc.branch == "delivered" {
+		return sc.branch, 0
 	}
-	h.leave.armed.Store(true)
-	f := func() { cancel() }
-	h.wake.Store(&f)
-	require.NoError(t, first.Release(ctx))
-	var id string
-	select {
-	case g := <-got:
-		require.NoError(t, g.err)
-		h.leave.armed.Store(false)
-		h.spare.armed.Store(false)
-		require.NoError(t, g.l.Release(ctx))
-		if keepOut {
-			close(h.keep.reply)
-		}
-		return "delivered", 0
-	case argv := <-h.leave.caught:
-		id, _ = argv[3].(string)
-	case <-time.After(10 * time.Second):
-		t.Fatal("neither a lease nor a leave call")
-	}
-	branch := "control"
-	if keepOut {
-		close(h.keep.reply)
-		sa := sp45Wait(t, h.spare.caught, "the keeper's leave call")
-		branch = "given up first"
-		if sa[4] != int64(0) {
-			branch = "granted"
-		}
-	}
+	id, _ := sc.leave[3].(string)
 	close(h.leave.open)
 	require.Equal(t, h.leave.fail, sp45Wait(t, h.leave.ran, "abandon's leave call"))
-	require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, context.Canceled) // retryLeave has run
+	require.ErrorIs(t, sp45Wait(t, sc.got, "B's Acquire").err, context.Canceled) // retryLeave has run
 	closed := make(chan error, 1)
 	cctx, ccancel := context.WithTimeout(ctx, 10*time.Second)
 	defer ccancel()
-	go func() { closed <- b.Close(cctx) }()
+	go func() { closed <- sc.b.Close(cctx) }()
 	time.Sleep(50 * time.Millisecond) // Close has begun
 	if keepOut {
 		close(h.spare.open)
@@ -123,7 +81,7 @@ func sq45CloseAbandon(t *testing.T, keepOut bool, ttl, poll time.Duration) (stri
 	}
 	require.NoError(t, sp45Wait(t, closed, "B's Close"))
 	hs, _, _ := sp45State(e, "g")
-	return branch, hs[id]
+	return sc.branch, hs[id]
 }
 
 // sq45Counter is a hook on B's client: it counts B's leave calls per id

@@ -397,6 +397,53 @@ func sp45Abandon(t *testing.T, keepOut bool, ttl, poll time.Duration) (time.Dura
 	ctx := context.Background()
 	h := newSp45Hook()
 	h.leave.fail = sp45NotSent
+	sc := sp45AbandonScene(t, e, h, keepOut, ttl, poll)
+	if sc.branch == "delivered" {
+		return 0, sc.branch
+	}
+	close(h.leave.open)
+	require.ErrorIs(t, sp45Wait(t, h.leave.ran, "abandon's leave call"), sp45NotSent)
+	failed := leasetest.RedisNow(e.Rdb)
+	require.ErrorIs(t, sp45Wait(t, sc.got, "B's Acquire").err, context.Canceled) // abandon has handed its leave call to the keeper
+	if keepOut {
+		close(h.spare.open)
+		require.NoError(t, sp45Wait(t, h.spare.ran, "the keeper's leave call"))
+	}
+	other := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
+	for {
+		l, ok, err := other.TryAcquire(ctx, "g")
+		require.NoError(t, err)
+		if ok {
+			took := leasetest.Ms(leasetest.RedisNow(e.Rdb) - failed)
+			require.NoError(t, l.Release(ctx))
+			return took, sc.branch
+		}
+		if d := leasetest.Ms(leasetest.RedisNow(e.Rdb) - failed); d > ttl+time.Second {
+			t.Fatalf("key still full %v after the failed leave call", d)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// sp45Abandoned is where sp45AbandonScene leaves a round.
+type sp45Abandoned struct {
+	b      *lease.Semaphore
+	got    chan wt45Got // B's Acquire's outcome
+	branch string       // see sp45Abandon
+	leave  []any        // abandon's leave call's ARGV, held at h.leave (nil if delivered)
+}
+
+// sp45AbandonScene sets the scene of sp45Abandon and sq45CloseAbandon on
+// e, with h on B's client: A holds g, B's waiter is queued behind; with
+// keepOut, a keep call refreshing it runs and its reply is held. The
+// waiter gives up as its wake-up is read, and A releases g. If the lease
+// reached the caller first ("delivered") it is released and nothing is
+// held; otherwise abandon's leave call is held at h.leave (not yet let
+// go) and, with keepOut, the keep reply let go and the keeper's leave
+// call held at h.spare, its ARGV telling the branch.
+func sp45AbandonScene(t *testing.T, e *leasetest.Env, h *sp45Hook, keepOut bool, ttl, poll time.Duration) sp45Abandoned {
+	t.Helper()
+	ctx := context.Background()
 	a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	b := leasetest.SemOn(t, leasetest.Direct(t, e, 5*time.Second, h), 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	require.NoError(t, b.Load(ctx))
@@ -419,6 +466,7 @@ func sp45Abandon(t *testing.T, keepOut bool, ttl, poll time.Duration) (time.Dura
 	f := func() { cancel() } // gives up as the wake-up is read, before it is delivered
 	h.wake.Store(&f)
 	require.NoError(t, first.Release(ctx))
+	sc := sp45Abandoned{b: b, got: got}
 	select {
 	case g := <-got: // the lease reached the caller first: not this round's case
 		require.NoError(t, g.err)
@@ -428,43 +476,23 @@ func sp45Abandon(t *testing.T, keepOut bool, ttl, poll time.Duration) (time.Dura
 		if keepOut {
 			close(h.keep.reply)
 		}
-		return 0, "delivered"
-	case <-h.leave.caught: // abandon's (Acquire returns once it is done)
+		sc.branch = "delivered"
+		return sc
+	case sc.leave = <-h.leave.caught: // abandon's (Acquire returns once it is done)
 	case <-time.After(10 * time.Second):
 		t.Fatal("neither a lease nor a leave call")
 	}
-	branch := "control"
+	sc.branch = "control"
 	if keepOut {
 		close(h.keep.reply)
 		sa := sp45Wait(t, h.spare.caught, "the keeper's leave call")
-		branch = "given up first"
+		sc.branch = "given up first"
 		if sa[4] != int64(0) {
-			branch = "granted"
+			sc.branch = "granted"
 		}
 		t.Logf("keep reply: the keeper's leave call %v", sa[3:])
 	}
-	close(h.leave.open)
-	require.ErrorIs(t, sp45Wait(t, h.leave.ran, "abandon's leave call"), sp45NotSent)
-	failed := leasetest.RedisNow(e.Rdb)
-	require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, context.Canceled) // abandon has handed its leave call to the keeper
-	if keepOut {
-		close(h.spare.open)
-		require.NoError(t, sp45Wait(t, h.spare.ran, "the keeper's leave call"))
-	}
-	other := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
-	for {
-		l, ok, err := other.TryAcquire(ctx, "g")
-		require.NoError(t, err)
-		if ok {
-			took := leasetest.Ms(leasetest.RedisNow(e.Rdb) - failed)
-			require.NoError(t, l.Release(ctx))
-			return took, branch
-		}
-		if d := leasetest.Ms(leasetest.RedisNow(e.Rdb) - failed); d > ttl+time.Second {
-			t.Fatalf("key still full %v after the failed leave call", d)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	return sc
 }
 
 // TestReviewSpare45LapseWhileKeepOut: B's waiter is granted while a keep
