@@ -24,6 +24,7 @@ import (
 
 	"github.com/slotbook/slotbook/lease"
 	"github.com/slotbook/slotbook/lease/internal/leasetest"
+	"github.com/slotbook/slotbook/throttle"
 )
 
 // cl45Hook is a hook on B's client, for the script calls on keys of the
@@ -126,6 +127,37 @@ func cl45Standing(e *leasetest.Env, keys []string) []string {
 		}
 	}
 	return out
+}
+
+// cl45Gone has A (on e's engine) take key's one lease, then k waiters of
+// B's (on an engine of its own, 1 s timeout, its client hooked by h) join
+// key's queue one after another and give up, with h in mode from then
+// on: it returns once every Acquire of B's has returned. b is closed by
+// the caller, not at the test's end.
+func cl45Gone(t *testing.T, key string, k int, mode int32, ttl, poll time.Duration) (e *leasetest.Env, h *cl45Hook, eng *throttle.Engine, b *lease.Semaphore, first *lease.Lease) {
+	t.Helper()
+	e = leasetest.NewEnv(t)
+	ctx := context.Background()
+	h = newCl45Hook()
+	eng = leasetest.Direct(t, e, time.Second, h)
+	a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+	require.NoError(t, err)
+	require.NoError(t, b.Load(ctx))
+	first, err = a.Acquire(ctx, key)
+	require.NoError(t, err)
+	actx, cancel := context.WithCancel(ctx)
+	got := make(chan wt45Got, k)
+	for i := 0; i < k; i++ {
+		wt45Acquire(actx, e, b, "b", key, got)
+		e.Queued(t, key, int64(i+1))
+	}
+	h.mode.Store(mode)
+	cancel()
+	for i := 0; i < k; i++ {
+		require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, context.Canceled)
+	}
+	return e, h, eng, b, first
 }
 
 // TestReviewClose45ManyKeys: B has W gone waiters on each of K keys (N =
@@ -277,27 +309,8 @@ func TestReviewClose45ManyKeys(t *testing.T) {
 func TestReviewClose45BreakerOpenAtClose(t *testing.T) {
 	const ttl, poll, k = 3 * time.Second, 100 * time.Millisecond, 6
 	run := func(t *testing.T, waitClosed bool) (int, []string) {
-		e := leasetest.NewEnv(t)
 		ctx := context.Background()
-		h := newCl45Hook()
-		eng := leasetest.Direct(t, e, time.Second, h)
-		a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-		require.NoError(t, err)
-		require.NoError(t, b.Load(ctx))
-		first, err := a.Acquire(ctx, "o")
-		require.NoError(t, err)
-		actx, cancel := context.WithCancel(ctx)
-		got := make(chan wt45Got, k)
-		for i := 0; i < k; i++ {
-			wt45Acquire(actx, e, b, "b", "o", got)
-			e.Queued(t, "o", int64(i+1))
-		}
-		h.mode.Store(2)
-		cancel()
-		for i := 0; i < k; i++ {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, context.Canceled)
-		}
+		e, h, eng, b, first := cl45Gone(t, "o", k, 2, ttl, poll)
 		// Redis away long enough for the probes' interval to grow.
 		time.Sleep(1500 * time.Millisecond)
 		open, in := eng.Unavailable()
@@ -505,27 +518,8 @@ func TestReviewClose45Races(t *testing.T) {
 func TestReviewClose45FailureAfterCloseBegan(t *testing.T) {
 	const ttl, poll, k = 3 * time.Second, 100 * time.Millisecond, 3
 	run := func(t *testing.T, hold bool) (map[string]int, []string) {
-		e := leasetest.NewEnv(t)
 		ctx := context.Background()
-		h := newCl45Hook()
-		eng := leasetest.Direct(t, e, time.Second, h)
-		a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-		require.NoError(t, err)
-		require.NoError(t, b.Load(ctx))
-		first, err := a.Acquire(ctx, "f")
-		require.NoError(t, err)
-		actx, cancel := context.WithCancel(ctx)
-		got := make(chan wt45Got, k)
-		for i := 0; i < k; i++ {
-			wt45Acquire(actx, e, b, "b", "f", got)
-			e.Queued(t, "f", int64(i+1))
-		}
-		h.mode.Store(1)
-		cancel()
-		for i := 0; i < k; i++ {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, context.Canceled)
-		}
+		e, h, _, b, first := cl45Gone(t, "f", k, 1, ttl, poll)
 		closed := make(chan error, 1)
 		cctx, ccancel := context.WithTimeout(ctx, 10*time.Second)
 		defer ccancel()
