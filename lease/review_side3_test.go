@@ -45,6 +45,20 @@ func rv3LostAt(rdb *redis.Client, l *lease.Lease) <-chan int64 {
 	return ch
 }
 
+// rv3HoldOnGrant starts an Acquire of key on s within ctx; once granted,
+// it sends Redis's TIME (µs) then and holds the lease until ctx ends.
+func rv3HoldOnGrant(ctx context.Context, e *leasetest.Env, s *lease.Semaphore, key string) <-chan int64 {
+	got := make(chan int64, 1)
+	go func() {
+		if l, err := s.Acquire(ctx, key); err == nil {
+			got <- leasetest.RedisNow(e.Rdb)
+			<-ctx.Done()
+			_ = l.Release(context.Background())
+		}
+	}()
+	return got
+}
+
 // rv3Live counts members of zset key scored after Redis's now (live
 // holders for :h, live waiters for :w), and the latest score minus now.
 var rv3LiveScript = redis.NewScript(`
@@ -264,16 +278,9 @@ func TestReviewLease3FreshLeaseDeadBlpop(t *testing.T) {
 				}
 				return
 			}
-			bGot := make(chan int64, 1)
 			bctx, bcancel := context.WithTimeout(ctx, 10*time.Second)
 			defer bcancel()
-			go func() {
-				if bl, err := b.Acquire(bctx, "k"); err == nil {
-					bGot <- leasetest.RedisNow(e.Rdb)
-					<-bctx.Done()
-					_ = bl.Release(context.Background())
-				}
-			}()
+			bGot := rv3HoldOnGrant(bctx, e, b, "k")
 			var lost, bAt int64
 			select {
 			case lost = <-lostAt:
@@ -338,16 +345,9 @@ func TestReviewLease3SlowAcquireReply(t *testing.T) {
 				}
 				return len(z) == 1
 			})
-			bGot := make(chan int64, 1)
 			bctx, bcancel := context.WithTimeout(ctx, 5*time.Second)
 			defer bcancel()
-			go func() {
-				if bl, err := b.Acquire(bctx, "k"); err == nil {
-					bGot <- leasetest.RedisNow(e.Rdb)
-					<-bctx.Done()
-					_ = bl.Release(context.Background())
-				}
-			}()
+			bGot := rv3HoldOnGrant(bctx, e, b, "k")
 			err := <-aerr
 			l := <-ach
 			if delay > ttl {
