@@ -1,13 +1,15 @@
 package lease_test
 
 // The bookkeeping of believed holders, shared by the reviews in
-// review_side2_test.go and review_side3_test.go, and waiters queued
+// review_side2_test.go and review_side3_test.go, the count of holdings
+// open at once, and waiters queued
 // behind held keys, shared by the reviews of the waker (the rest of the
 // tests' rig is package lease/internal/leasetest's).
 
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -195,4 +197,59 @@ func wakeAfter(t *testing.T, e *leasetest.Env, holder, waiter *lease.Semaphore, 
 		t.Fatalf("waiter on %s never woken", key)
 		return 0
 	}
+}
+
+// rvIv is one believed holding of a lease, over [from, to) since some
+// base, with its fencing token and, if set, who held it.
+type rvIv struct {
+	from, to time.Duration
+	tok      int64
+	who      string
+}
+
+// rvPeak returns the most of ivs open at once (one ending at the instant
+// another begins does not overlap it) and, for the first three moments
+// more than n were open, when and which (tokens, with who if set).
+func rvPeak(ivs []rvIv, n int) (int, []string) {
+	type ev struct {
+		at  time.Duration
+		d   int
+		tok int64
+		who string
+	}
+	var evs []ev
+	for _, x := range ivs {
+		evs = append(evs, ev{x.from, 1, x.tok, x.who}, ev{x.to, -1, x.tok, x.who})
+	}
+	slices.SortFunc(evs, func(a, b ev) int {
+		if a.at != b.at {
+			return int(a.at - b.at)
+		}
+		return a.d - b.d
+	})
+	cur, peak := 0, 0
+	open := map[int64]string{}
+	var bad []string
+	for _, x := range evs {
+		cur += x.d
+		if x.d > 0 {
+			open[x.tok] = x.who
+		} else {
+			delete(open, x.tok)
+		}
+		if cur > n && len(bad) < 3 {
+			var s []string
+			for k, w := range open {
+				if w != "" {
+					s = append(s, fmt.Sprintf("%d(%s)", k, w))
+				} else {
+					s = append(s, fmt.Sprint(k))
+				}
+			}
+			slices.Sort(s)
+			bad = append(bad, fmt.Sprintf("at %v: %v", x.at.Round(time.Millisecond), s))
+		}
+		peak = max(peak, cur)
+	}
+	return peak, bad
 }

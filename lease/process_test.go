@@ -105,11 +105,7 @@ func TestAtMostNAcrossProcesses(t *testing.T) {
 		ps = append(ps, spawn(t, e, "stress", "shared", n, ttl,
 			"LEASE_WORKERS="+strconv.Itoa(workers), "LEASE_RUN=6s"))
 	}
-	type event struct {
-		at    int64
-		delta int
-	}
-	var events []event
+	var ivs []rvIv
 	var first, last int64
 	holds := 0
 	tokens := map[int64]bool{}
@@ -127,7 +123,7 @@ func TestAtMostNAcrossProcesses(t *testing.T) {
 					t.Errorf("fencing token %d granted twice", token)
 				}
 				tokens[token] = true
-				events = append(events, event{start, +1}, event{stop, -1})
+				ivs = append(ivs, rvIv{from: time.Duration(start), to: time.Duration(stop), tok: token})
 				if first == 0 || start < first {
 					first = start
 				}
@@ -139,17 +135,7 @@ func TestAtMostNAcrossProcesses(t *testing.T) {
 	}
 	// Ends before starts at the same instant: the recorded holdings are
 	// inside the real ones, which cannot touch.
-	slices.SortFunc(events, func(a, b event) int {
-		if a.at != b.at {
-			return int(a.at - b.at)
-		}
-		return a.delta - b.delta
-	})
-	cur, peak := 0, 0
-	for _, ev := range events {
-		cur += ev.delta
-		peak = max(peak, cur)
-	}
+	peak, _ := rvPeak(ivs, n)
 	span := time.Duration(last - first)
 	t.Logf("%d holdings over %v by %d processes x %d workers, at most %d at once", holds, span, procs, workers, peak)
 	if peak > n {

@@ -374,12 +374,8 @@ func TestReviewLease2OverlapSevered(t *testing.T) {
 	base := time.Now()
 	run := 5 * time.Second
 	end := base.Add(run)
-	type iv struct {
-		from, to time.Duration
-		tok      int64
-	}
 	var mu sync.Mutex
-	var ivs []iv
+	var ivs []rvIv
 	var lostN, errs int
 	var wg sync.WaitGroup
 	for si, s := range sems {
@@ -402,7 +398,7 @@ func TestReviewLease2OverlapSevered(t *testing.T) {
 					from, to, lost := rvBelieve(l, bel, base, time.Now().Add(time.Duration(rng.IntN(250))*time.Millisecond))
 					_ = l.Release(ctx)
 					mu.Lock()
-					ivs = append(ivs, iv{from, to, l.Token()})
+					ivs = append(ivs, rvIv{from: from, to: to, tok: l.Token()})
 					if lost {
 						lostN++
 					}
@@ -428,41 +424,7 @@ func TestReviewLease2OverlapSevered(t *testing.T) {
 	wg.Wait()
 	stopBurn()
 	close(sever)
-	type ev struct {
-		at  time.Duration
-		d   int
-		tok int64
-	}
-	var evs []ev
-	for _, x := range ivs {
-		evs = append(evs, ev{x.from, 1, x.tok}, ev{x.to, -1, x.tok})
-	}
-	slices.SortFunc(evs, func(a, b ev) int {
-		if a.at != b.at {
-			return int(a.at - b.at)
-		}
-		return a.d - b.d
-	})
-	cur, peak := 0, 0
-	open := map[int64]bool{}
-	var bad []string
-	for _, x := range evs {
-		cur += x.d
-		if x.d > 0 {
-			open[x.tok] = true
-		} else {
-			delete(open, x.tok)
-		}
-		if cur > n && len(bad) < 3 {
-			var toks []int64
-			for k := range open {
-				toks = append(toks, k)
-			}
-			slices.Sort(toks)
-			bad = append(bad, fmt.Sprintf("at %v: tokens %v", x.at.Round(time.Millisecond), toks))
-		}
-		peak = max(peak, cur)
-	}
+	peak, bad := rvPeak(ivs, n)
 	t.Logf("%d holds, %d Lost, %d acquire errors/timeouts, peak %d believed holders", len(ivs), lostN, errs, peak)
 	if peak > n {
 		t.Errorf("%d believed holders overlapped (N=%d): %v", peak, n, bad)

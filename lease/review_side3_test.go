@@ -13,7 +13,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -398,53 +397,6 @@ func TestReviewLease3SlowAcquireReply(t *testing.T) {
 
 // --- (b) At most N believed holders: severed connections, slow replies ---
 
-type rv3Iv struct {
-	from, to time.Duration
-	tok      int64
-	who      string
-}
-
-// rv3Peak returns the most intervals open at once, and where it passed n.
-func rv3Peak(ivs []rv3Iv, n int) (int, []string) {
-	type ev struct {
-		at  time.Duration
-		d   int
-		tok int64
-		who string
-	}
-	var evs []ev
-	for _, x := range ivs {
-		evs = append(evs, ev{x.from, 1, x.tok, x.who}, ev{x.to, -1, x.tok, x.who})
-	}
-	slices.SortFunc(evs, func(a, b ev) int {
-		if a.at != b.at {
-			return int(a.at - b.at)
-		}
-		return a.d - b.d
-	})
-	cur, peak := 0, 0
-	open := map[int64]string{}
-	var bad []string
-	for _, x := range evs {
-		cur += x.d
-		if x.d > 0 {
-			open[x.tok] = x.who
-		} else {
-			delete(open, x.tok)
-		}
-		if cur > n && len(bad) < 3 {
-			var s []string
-			for k, w := range open {
-				s = append(s, fmt.Sprintf("%d(%s)", k, w))
-			}
-			slices.Sort(s)
-			bad = append(bad, fmt.Sprintf("at %v: %v", x.at.Round(time.Millisecond), s))
-		}
-		peak = max(peak, cur)
-	}
-	return peak, bad
-}
-
 func TestReviewLease3OverlapChaos(t *testing.T) {
 	e := leasetest.NewEnv(t)
 	ctx := context.Background()
@@ -466,7 +418,7 @@ func TestReviewLease3OverlapChaos(t *testing.T) {
 	run := 8 * time.Second
 	end := base.Add(run)
 	var mu sync.Mutex
-	var ivs []rv3Iv
+	var ivs []rvIv
 	var lostN, errs, openAtReturn int
 	var wg sync.WaitGroup
 	for si, s := range sems {
@@ -491,7 +443,7 @@ func TestReviewLease3OverlapChaos(t *testing.T) {
 					_ = l.Release(rctx)
 					rcancel()
 					mu.Lock()
-					ivs = append(ivs, rv3Iv{from, to, l.Token(), names[si]})
+					ivs = append(ivs, rvIv{from, to, l.Token(), names[si]})
 					if lost {
 						lostN++
 						if to > from {
@@ -526,7 +478,7 @@ func TestReviewLease3OverlapChaos(t *testing.T) {
 	wg.Wait()
 	close(chaos)
 	<-chaosDone
-	peak, bad := rv3Peak(ivs, n)
+	peak, bad := rvPeak(ivs, n)
 	t.Logf("%d holds, %d Lost (%d seen open after Acquire returned), %d acquire errors/timeouts, peak %d believed holders", len(ivs), lostN, openAtReturn, errs, peak)
 	if peak > n {
 		t.Errorf("%d believed holders at once (N=%d; replies delayed up to 600 ms, engine timeout 1 s, TTL %v): %v", peak, n, ttl, bad)

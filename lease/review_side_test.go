@@ -545,30 +545,16 @@ func TestReviewLeaseStress(t *testing.T) {
 	if h != 0 || q != 0 {
 		t.Errorf("after every worker released or gave up: %d holders, %d queued in Redis", h, q)
 	}
-	type ev struct {
-		at time.Duration
-		d  int
-	}
-	var evs []ev
+	var ivs []rvIv
 	seen := map[int64]bool{}
 	for _, x := range holds {
 		if seen[x.token] {
 			t.Errorf("token %d granted twice", x.token)
 		}
 		seen[x.token] = true
-		evs = append(evs, ev{x.from, +1}, ev{x.to, -1})
+		ivs = append(ivs, rvIv{from: x.from, to: x.to, tok: x.token})
 	}
-	slices.SortFunc(evs, func(a, b ev) int {
-		if a.at != b.at {
-			return int(a.at - b.at)
-		}
-		return a.d - b.d
-	})
-	cur, peak := 0, 0
-	for _, x := range evs {
-		cur += x.d
-		peak = max(peak, cur)
-	}
+	peak, _ := rvPeak(ivs, n)
 	if peak > n {
 		t.Errorf("%d believed holders overlapped, N = %d", peak, n)
 	}
@@ -758,25 +744,11 @@ func TestReviewLeaseSeverUnderLoad(t *testing.T) {
 	}()
 	wg.Wait()
 	close(stop)
-	type ev struct {
-		at time.Duration
-		d  int
-	}
-	var all []ev
+	var ivs []rvIv
 	for _, x := range evs {
-		all = append(all, ev{x[0], 1}, ev{x[1], -1})
+		ivs = append(ivs, rvIv{from: x[0], to: x[1]})
 	}
-	slices.SortFunc(all, func(a, b ev) int {
-		if a.at != b.at {
-			return int(a.at - b.at)
-		}
-		return a.d - b.d
-	})
-	cur, peak := 0, 0
-	for _, x := range all {
-		cur += x.d
-		peak = max(peak, cur)
-	}
+	peak, _ := rvPeak(ivs, n)
 	t.Logf("%d holds, %d acquire errors, %d lost, peak %d", len(evs), acqErrs, lostSeen, peak)
 	if peak > n {
 		t.Errorf("%d believed holders overlapped, N = %d", peak, n)
