@@ -3,8 +3,6 @@ package lease_test
 import (
 	"context"
 	"errors"
-	"net"
-	"os"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -43,7 +41,7 @@ func (o *overtaken) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 			_ = o.late.Do(context.Background(), a...).Err()
 			close(o.arrived)
 		}()
-		err := &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}
+		err := leasetest.ErrLostRead
 		cmd.SetErr(err)
 		return err
 	}

@@ -7,8 +7,6 @@ package lease_test
 import (
 	"context"
 	"fmt"
-	"net"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -66,7 +64,7 @@ func (h *p44Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 		_, keys := leasetest.ScriptArgs(cmd)
 		if len(keys) > 0 && strings.Contains(keys[0], "{trip}") && h.trip.CompareAndSwap(true, false) {
 			_ = next(ctx, cmd)
-			err := &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}
+			err := leasetest.ErrLostRead
 			cmd.SetErr(err)
 			return err
 		}

@@ -7,8 +7,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
-	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -55,7 +53,7 @@ func (h *rtDrainDrop) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 				h.dropped.Add(int64(len(a) / 2))
 			}
 		}
-		err := &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}
+		err := leasetest.ErrLostRead
 		cmd.SetErr(err)
 		return err
 	}

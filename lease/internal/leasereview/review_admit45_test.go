@@ -11,8 +11,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"net"
-	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -84,7 +82,7 @@ func (r *ad45Rec) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 		r.mu.Unlock()
 		r.serial.Unlock()
 		if err == nil && lose {
-			err = &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}
+			err = leasetest.ErrLostRead
 			cmd.SetErr(err)
 			r.mu.Lock()
 			r.lost++

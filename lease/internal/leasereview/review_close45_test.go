@@ -64,8 +64,8 @@ func (h *cl45Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 		}
 		mode := h.mode.Load()
 		if mode == 2 {
-			cmd.SetErr(sp45NotSent)
-			return sp45NotSent
+			cmd.SetErr(leasetest.ErrNotSent)
+			return leasetest.ErrNotSent
 		}
 		id, isID := argv[3].(string)
 		spare := false

@@ -10,8 +10,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"net"
-	"os"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -79,7 +77,7 @@ func (h *kr44Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 		var err error
 		switch mode {
 		case "notsent":
-			err = kr44NotSent
+			err = leasetest.ErrNotSent
 			cmd.SetErr(err)
 		case "busy":
 			err = redis.ErrPoolTimeout
@@ -91,7 +89,7 @@ func (h *kr44Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 		case err != nil:
 		case mode == "lost":
 			time.Sleep(time.Until(t0.Add(wait)))
-			err = &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}
+			err = leasetest.ErrLostRead
 			cmd.SetErr(err)
 		case mode == "slow":
 			time.Sleep(time.Until(t0.Add(wait)))
@@ -441,10 +439,6 @@ func TestReviewKeepRetry44SlowRedis(t *testing.T) {
 // kr44HeldMode is how TestReviewKeepRetry44HeldLeases fails its keep
 // calls.
 var kr44HeldMode = "busy"
-
-// kr44NotSent is the error of a call that never reached Redis (a failed
-// dial): nothing ran.
-var kr44NotSent = &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}
 
 // TestReviewKeepRetry44PermanentError: a keep call that fails for a reason
 // that will not pass (the key's waiters set turned into a string:

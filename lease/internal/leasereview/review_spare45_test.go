@@ -12,11 +12,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
-	"os"
 	"strings"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -129,11 +126,6 @@ func (h *sp45Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	}
 }
 
-var (
-	sp45NotSent  = &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}
-	sp45LostRead = &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}
-)
-
 // sp45Orders returns every order of the events K (keep call reaches
 // Redis), G (grant, delivered), R (Release called), S (release call
 // reaches Redis), P (keep reply arrives) and V (leave call reaches
@@ -223,9 +215,9 @@ func sp45Order(t *testing.T, order, mode string, withC bool, ttl, poll time.Dura
 	h := newSp45Hook()
 	switch mode {
 	case "lost":
-		h.rel.lose = sp45LostRead
+		h.rel.lose = leasetest.ErrLostRead
 	case "unsent":
-		h.rel.fail = sp45NotSent
+		h.rel.fail = leasetest.ErrNotSent
 	}
 	a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 	b := leasetest.SemOn(t, leasetest.Direct(t, e, 5*time.Second, h), 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
@@ -396,13 +388,13 @@ func sp45Abandon(t *testing.T, keepOut bool, ttl, poll time.Duration) (time.Dura
 	e := leasetest.NewEnv(t)
 	ctx := context.Background()
 	h := newSp45Hook()
-	h.leave.fail = sp45NotSent
+	h.leave.fail = leasetest.ErrNotSent
 	sc := sp45AbandonScene(t, e, h, keepOut, ttl, poll)
 	if sc.branch == "delivered" {
 		return 0, sc.branch
 	}
 	close(h.leave.open)
-	require.ErrorIs(t, sp45Wait(t, h.leave.ran, "abandon's leave call"), sp45NotSent)
+	require.ErrorIs(t, sp45Wait(t, h.leave.ran, "abandon's leave call"), leasetest.ErrNotSent)
 	failed := leasetest.RedisNow(e.Rdb)
 	require.ErrorIs(t, sp45Wait(t, sc.got, "B's Acquire").err, context.Canceled) // abandon has handed its leave call to the keeper
 	if keepOut {

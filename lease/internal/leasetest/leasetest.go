@@ -9,8 +9,11 @@ package leasetest
 import (
 	"context"
 	"fmt"
+	"net"
+	"os"
 	"runtime"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -230,6 +233,15 @@ func IsKeep(cmd redis.Cmder) bool {
 	_, ok := argv[3].(int)
 	return ok
 }
+
+// ErrLostRead is what a hook answers for a call whose reply it reports
+// lost: a read timeout, after which the call may have run (the engine
+// reports it as throttle.ErrReplyLost).
+var ErrLostRead error = &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}
+
+// ErrNotSent is what a hook answers for a call it fails unsent: a refused
+// dial, as when Redis is away (the engine's breaker counts it).
+var ErrNotSent error = &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}
 
 // Hook calls Before (if set) before each command is sent, and After (if
 // set) once it has its reply, in the caller's goroutine: either may block
