@@ -14,6 +14,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -40,11 +41,22 @@ func waitcutTextbook(I int64, slots []int64) int64 {
 // waitcutBatch books a head on a fresh key, then a batch [booked, late]
 // whose second request's deadline (from the head's Redis slot) the
 // reply's 40 ms makes late (given back by ReserveBatch on a goroutine).
-// With lose, the reply delay goes to lose once the batch's reply has been
-// read by the proxy and before the late give-back goes out, so the late
-// give-back's reply is held back lose; it goes to 0 (on reset) 15 ms
-// after the batch returns, or stays with reset nil.
-func waitcutBatch(t *testing.T, l *reserve.Limiter, p *redistest.Proxy, reset *sync.WaitGroup, key string, lose time.Duration) (head, booked, late *reserve.Reservation, ok bool) {
+// With lose, h (a hook on l's client) sets the reply delay to lose as the
+// batch's reply comes in, before ReserveBatch sees it, so the late
+// give-back's reply is held back lose; with reset, once the give-back has
+// been out 100 ms (its reply has reached the proxy and been held back,
+// with room for a busy machine's stalls), the delay goes back to 0 and
+// the caller's own calls are answered at once; without, it stays.
+//
+// Neither depends on the test winning a race against the reply. The
+// delay was set 20 ms after the call began, for a reply delivered at
+// 40 ms (a stall of the test of 25 ms let the give-back out first, its
+// reply answered in 40 ms), and set back to 0 15 ms after the batch
+// returned (a stall of 25 ms of the give-back's goroutine had its reply
+// answered at once): either way the reply the test is about was not
+// lost, and the test passed without it. The caller now acts 100 ms
+// after the give-back went out, its second far from over.
+func waitcutBatch(t *testing.T, l *reserve.Limiter, p *redistest.Proxy, h *waitcutHook, key string, lose time.Duration, reset bool) (head, booked, late *reserve.Reservation, ok bool) {
 	t.Helper()
 	p.SetReplyDelay(40 * time.Millisecond)
 	head, err := l.Reserve(context.Background(), key)
@@ -53,39 +65,101 @@ func waitcutBatch(t *testing.T, l *reserve.Limiter, p *redistest.Proxy, reset *s
 	interval := l.Limits()[0].Interval()
 	dl, cancel := context.WithDeadline(context.Background(), head.Booking().At.Add(2*interval+20*time.Millisecond))
 	t.Cleanup(cancel)
-	type res struct {
-		rs  []*reserve.Reservation
-		err error
-	}
-	ch := make(chan res, 1)
-	go func() {
-		rs, err := l.ReserveBatch(context.Background(), key, []reserve.BatchRequest{{N: 1}, {Context: dl, N: 1}})
-		ch <- res{rs, err}
-	}()
 	if lose > 0 {
-		time.Sleep(20 * time.Millisecond) // the batch's reply is read (stamped 40 ms), not yet delivered
-		p.SetReplyDelay(lose)
+		h.arm(lose)
 	}
-	r := <-ch
-	require.NoError(t, r.err)
-	if lose > 0 && reset != nil {
-		// The late give-back goes out as the batch returns (its reply
-		// stamped lose); the caller's own calls from 15 ms on are
-		// answered at once. The caller acts at once.
-		reset.Add(1)
-		go func() {
-			defer reset.Done()
-			time.Sleep(15 * time.Millisecond)
-			p.SetReplyDelay(0)
-		}()
-	}
-	booked, late = r.rs[0], r.rs[1]
+	rs, err := l.ReserveBatch(context.Background(), key, []reserve.BatchRequest{{N: 1}, {Context: dl, N: 1}})
+	require.NoError(t, err)
+	booked, late = rs[0], rs[1]
 	require.True(t, booked.OK(), "%v", booked.Err())
 	if late.OK() || late.Booking().OK {
+		h.disarm()
 		return head, booked, late, false // not late (a slow machine): inconclusive
 	}
 	require.ErrorIs(t, late.Err(), deadline.ErrWouldExceedDeadline)
+	if lose > 0 {
+		select {
+		case <-h.sent:
+		case <-time.After(5 * time.Second):
+			t.Fatal("the late give-back did not go out")
+		}
+		if reset {
+			time.Sleep(100 * time.Millisecond)
+			p.SetReplyDelay(0)
+		}
+	}
 	return head, booked, late, true
+}
+
+// waitcutHook, armed with lose, sets its proxy's reply delay to lose as
+// the batch's call (book.lua: a script call of more than book1.lua's
+// eight arguments) is answered, before its caller sees the reply; the
+// next script call (ReserveBatch's late give-back) closes sent as it goes
+// out and reports its outcome on done.
+type waitcutHook struct {
+	p     *redistest.Proxy
+	state atomic.Int32 // waitcutIdle, waitcutArmed or waitcutBatched
+	lose  time.Duration
+	sent  chan struct{}
+	done  chan error
+}
+
+const (
+	waitcutIdle = iota
+	waitcutArmed
+	waitcutBatched
+)
+
+// addWaitcutHook adds a waitcutHook on p to eng's client.
+func addWaitcutHook(eng *throttle.Engine, p *redistest.Proxy) *waitcutHook {
+	h := &waitcutHook{p: p}
+	eng.Client().(*redis.Client).AddHook(h)
+	return h
+}
+
+// arm readies h for one batch (no call of h's client may be in flight).
+func (h *waitcutHook) arm(lose time.Duration) {
+	h.lose, h.sent, h.done = lose, make(chan struct{}), make(chan error, 1)
+	h.state.Store(waitcutArmed)
+}
+
+// disarm leaves h idle, for a batch that gave nothing back.
+func (h *waitcutHook) disarm() { h.state.Store(waitcutIdle) }
+
+// lost checks the premise of a round with lose: the late give-back's
+// reply was held back past its one-second bound (the call failed).
+func (h *waitcutHook) lost(t *testing.T, name string) {
+	t.Helper()
+	select {
+	case err := <-h.done:
+		require.Error(t, err, "%s: the test's premise: the late give-back's reply is lost", name)
+	case <-time.After(5 * time.Second):
+		t.Fatalf("%s: the late give-back did not end", name)
+	}
+}
+
+func (h *waitcutHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h *waitcutHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		name := cmd.Name()
+		script := name == "evalsha" || name == "eval"
+		if script && h.state.CompareAndSwap(waitcutBatched, waitcutIdle) {
+			close(h.sent)
+			err := next(ctx, cmd)
+			h.done <- err
+			return err
+		}
+		err := next(ctx, cmd)
+		if script && len(cmd.Args()) > 8 && h.state.CompareAndSwap(waitcutArmed, waitcutBatched) {
+			h.p.SetReplyDelay(h.lose)
+		}
+		return err
+	}
+}
+
+func (h *waitcutHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
 }
 
 // waitcutNext books once more (reply delay 0) and checks its slot is the
@@ -135,6 +209,7 @@ func TestReviewWaitCutSidePaths(t *testing.T) {
 	eng, p, _ := latencyEngine(t)
 	l, err := reserve.New(eng, "wcut", throttle.Every(5*time.Second, 1, 0))
 	require.NoError(t, err)
+	h := addWaitcutHook(eng, p)
 	const slack = 700 * time.Millisecond // a busy 2-core machine
 	inconclusive, rounds := 0, 0
 	for _, lose := range []time.Duration{0, 2500 * time.Millisecond} {
@@ -142,8 +217,7 @@ func TestReviewWaitCutSidePaths(t *testing.T) {
 			name := fmt.Sprintf("%s/lose=%v", scene, lose)
 			key := fmt.Sprintf("wc-%s-%d", scene, lose.Milliseconds())
 			rounds++
-			var reset sync.WaitGroup
-			head, booked, late, ok := waitcutBatch(t, l, p, &reset, key, lose)
+			head, booked, late, ok := waitcutBatch(t, l, p, h, key, lose, true)
 			if !ok {
 				inconclusive++
 				t.Logf("%s: not late; inconclusive", name)
@@ -208,7 +282,9 @@ func TestReviewWaitCutSidePaths(t *testing.T) {
 				}()
 				wg.Wait()
 			}
-			reset.Wait()
+			if lose > 0 {
+				h.lost(t, name)
+			}
 			time.Sleep(50 * time.Millisecond)
 			off := waitcutNext(t, l, p, key, head)
 			require.Zero(t, off, "%s: the next booking is %v from the textbook's slot over the head alone (booked at %+v, late at %+v from the head)",
@@ -256,6 +332,7 @@ func TestReviewWaitCutBothRepliesLost(t *testing.T) {
 	eng, p, _ := latencyEngine(t)
 	l, err := reserve.New(eng, "wcutlost", throttle.Every(20*time.Second, 1, 0))
 	require.NoError(t, err)
+	h := addWaitcutHook(eng, p)
 	// Idle connections in the pool: a new one's handshake would wait for
 	// the held-back reply too, and the refund would never be sent.
 	rdb := eng.Client().(*redis.Client)
@@ -266,7 +343,7 @@ func TestReviewWaitCutBothRepliesLost(t *testing.T) {
 		go func() { defer warm.Done(); require.NoError(t, rdb.Ping(context.Background()).Err()) }()
 	}
 	warm.Wait()
-	head, booked, late, ok := waitcutBatch(t, l, p, nil, "k", 2500*time.Millisecond)
+	head, booked, late, ok := waitcutBatch(t, l, p, h, "k", 2500*time.Millisecond, false)
 	if !ok {
 		t.Skip("not late: inconclusive")
 	}
@@ -277,6 +354,7 @@ func TestReviewWaitCutBothRepliesLost(t *testing.T) {
 	took := time.Since(t0)
 	t.Logf("Wait cut took %v", took)
 	require.Less(t, took, 2*time.Second+700*time.Millisecond)
+	h.lost(t, "both lost")
 	time.Sleep(3 * time.Second) // the held-back replies are in
 	require.Zero(t, waitcutNext(t, l, p, "k", head), "late at %v", late.Booking().At.Sub(head.Booking().At))
 }
