@@ -490,13 +490,16 @@ func TestReviewAWClientPauseRefund(t *testing.T) {
 	var cerr, berr, xerr error
 	dc := timed(func() { cerr = r3.Cancel(ctx) })
 	db := timed(func() { _, berr = limB.Reserve(ctx, "k") })
-	// A caller whose ctx (30 ms) is shorter than the engine's timeout: its
-	// call is not cut short by it (its max wait, 30 ms, makes Redis refuse
-	// it when it runs).
-	short, cancel := context.WithTimeout(ctx, 30*time.Millisecond)
+	// A caller whose ctx (80 ms) is shorter than the engine's timeout: its
+	// call is not cut short by it (its max wait, 80 ms, makes Redis refuse
+	// it when it runs). The ctx must not end before the call is sent (one
+	// past its deadline is refused unsent): it was 30 ms, which a stall of
+	// 40 ms between here and the send broke.
+	const shortCtx = 80 * time.Millisecond
+	short, cancel := context.WithTimeout(ctx, shortCtx)
 	dx := timed(func() { _, xerr = limC.Reserve(short, "k") })
 	cancel()
-	t.Logf("during the pause: Cancel %v in %v; Reserve %v in %v; Reserve (ctx 30 ms) %v in %v", cerr, dc, berr, db, xerr, dx)
+	t.Logf("during the pause: Cancel %v in %v; Reserve %v in %v; Reserve (ctx %v) %v in %v", cerr, dc, berr, db, shortCtx, xerr, dx)
 	require.ErrorIs(t, cerr, throttle.ErrUnavailable)
 	require.ErrorIs(t, cerr, throttle.ErrReplyLost)
 	require.ErrorIs(t, berr, throttle.ErrReplyLost, "the Reserve was sent: its reply lost")
@@ -504,7 +507,8 @@ func TestReviewAWClientPauseRefund(t *testing.T) {
 	for _, d := range []time.Duration{dc, db, dx} {
 		assert.Less(t, d, 4*T+time.Second+500*time.Millisecond, "bound: engine timeout (4x for a probe) plus a give-back's second")
 	}
-	assert.GreaterOrEqual(t, dx, T/2, "the Reserve's ctx (30 ms) cut its call short, sooner than the engine's timeout")
+	// It ran to the engine's timeout (T after it was sent), past its ctx.
+	assert.GreaterOrEqual(t, dx, (shortCtx+T)/2, "the Reserve's ctx (%v) cut its call short, sooner than the engine's timeout", shortCtx)
 
 	time.Sleep(time.Until(paused.Add(pause + 200*time.Millisecond)))
 	redistest.UntilOK(t, func() error { return r3.Cancel(ctx) })

@@ -40,6 +40,7 @@ import (
 	"github.com/slotbook/slotbook/asynqadapter"
 	"github.com/slotbook/slotbook/deadline"
 	"github.com/slotbook/slotbook/httplimit"
+	"github.com/slotbook/slotbook/internal/callcount"
 	"github.com/slotbook/slotbook/internal/redistest"
 	"github.com/slotbook/slotbook/lease"
 	"github.com/slotbook/slotbook/metrics"
@@ -1443,9 +1444,12 @@ func TestReviewDOCLatency(t *testing.T) {
 // read whatever the caller's context does (the engine's timeout bounds
 // it), and a caller whose context ended meanwhile gets the context's error
 // while what it booked or counted is given back" (README, Lost replies).
-// The reply is held back 150 ms (SetReplyDelay) against a 30 ms deadline
+// The reply is held back 200 ms (SetReplyDelay) against a 100 ms deadline
 // and a 2 s engine timeout: the error is the context's, not ErrReplyLost,
-// and the key ends where it was.
+// and the key ends where it was. Each call must have been sent (counted on
+// the client): one whose deadline passed before it is refused unsent, with
+// the same error, and the test passed without its premise when the
+// deadline was 30 ms and a stall of 40 ms came before the call.
 func TestReviewDOCCallerDeadlineKeepsReply(t *testing.T) {
 	e := newDocEnv(t)
 	p := redistest.NewProxy(t, e.srv.Addr)
@@ -1456,6 +1460,7 @@ func TestReviewDOCCallerDeadlineKeepsReply(t *testing.T) {
 	defer rdb.Close()
 	ctx := context.Background()
 	require.NoError(t, rdb.Ping(ctx).Err())
+	calls := callcount.Attach(rdb)
 	eng, err := throttle.New(rdb, throttle.WithPrefix(e.prefix), throttle.WithTimeout(2*time.Second))
 	require.NoError(t, err)
 	require.NoError(t, eng.Load(ctx))
@@ -1467,7 +1472,7 @@ func TestReviewDOCCallerDeadlineKeepsReply(t *testing.T) {
 	require.NoError(t, err)
 	before, _ := e.tat(t, "cd", "k")
 
-	p.SetReplyDelay(150 * time.Millisecond)
+	p.SetReplyDelay(200 * time.Millisecond)
 	for _, op := range []struct {
 		name string
 		call func(ctx context.Context) error
@@ -1476,9 +1481,11 @@ func TestReviewDOCCallerDeadlineKeepsReply(t *testing.T) {
 		{"Allow", func(ctx context.Context) error { _, err := lim.Allow(ctx, "k"); return err }},
 		{"Acquire", func(ctx context.Context) error { return lim.Acquire(ctx, "k") }},
 	} {
-		dctx, cancel := context.WithTimeout(ctx, 30*time.Millisecond)
+		dctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+		sent := calls.Load()
 		err := op.call(dctx)
 		cancel()
+		require.Greater(t, calls.Load(), sent, "%s: the test's premise: the call was sent before its deadline (%v)", op.name, err)
 		assert.ErrorIs(t, err, context.DeadlineExceeded, "%s: the context's error", op.name)
 		assert.NotErrorIs(t, err, throttle.ErrReplyLost, "%s: the reply was read, not lost", op.name)
 		// Given back "within a second more".
