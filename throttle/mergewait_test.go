@@ -124,11 +124,11 @@ func TestMergeWaitGoesWithoutToken(t *testing.T) {
 	}
 	var hold sync.WaitGroup
 	holdErrs := make([]error, 2)
+	calls0 := r.calls.Load()
 	for i := range 2 {
 		hold.Go(func() { holdErrs[i] = book(context.Background(), fmt.Sprintf("holder%d", i)) })
 	}
-	time.Sleep(60 * time.Millisecond) // both holders hold a flight token
-	before := r.calls.Load()
+	before := r.awaitHolders(t, calls0, 2) // both holders hold a flight token
 	var wg sync.WaitGroup
 	errs := make([]error, 3)
 	for i := range 3 {

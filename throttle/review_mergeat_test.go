@@ -132,6 +132,20 @@ func (r *rmaRig) requireBookedOnce(t *testing.T, key string) {
 }
 
 // waitAll waits for wg, failing the test if it takes over d.
+// awaitHolders waits until n booking calls are in flight (each holding a
+// flight token), counted from calls0 (r.calls before they were started),
+// and returns r.calls then: the callers that follow find the tokens
+// taken, and their calls are counted apart. It replaces a sleep of 60 ms,
+// which a stall of the holders' goroutines of 70 ms outran (their calls
+// then came after the others' and were counted with them).
+func (r *rmaRig) awaitHolders(t *testing.T, calls0 int64, n int) int64 {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		return r.fl.now.Load() == int64(n) && r.calls.Load()-calls0 == int64(n)
+	}, 5*time.Second, time.Millisecond, "%d holders in flight", n)
+	return r.calls.Load()
+}
+
 func waitAll(t *testing.T, wg *sync.WaitGroup, d time.Duration, what string) {
 	t.Helper()
 	done := make(chan struct{})
@@ -172,13 +186,13 @@ func TestReviewMergeAtLeaveWhileBoarding(t *testing.T) {
 			r := rmaEngine(t, srv, 6, 500*time.Millisecond, throttle.WithMergeAt(2), throttle.WithMergeWait(throttle.Forever))
 			var hold sync.WaitGroup
 			holdErrs := make([]error, 2)
+			calls0 := r.calls.Load()
 			for i := range 2 {
 				hold.Go(func() {
 					_, holdErrs[i] = r.eng.Book(context.Background(), fmt.Sprintf("holder%d", i), rmaLim, throttle.Request{N: 1, MaxWait: throttle.Forever})
 				})
 			}
-			time.Sleep(60 * time.Millisecond) // both holders hold a flight token
-			before := r.calls.Load()
+			before := r.awaitHolders(t, calls0, 2) // both holders hold a flight token
 			errs := make([]error, len(callers))
 			var wg sync.WaitGroup
 			for i, c := range callers {
