@@ -120,17 +120,19 @@ func mwCtx(end time.Duration, stop bool) (context.Context, context.CancelFunc) {
 	}
 }
 
-// mwHolders starts n lone bookings that take the flight tokens; wait
-// returns their errors.
+// mwHolders starts n lone bookings that take the flight tokens, and
+// returns once they are in flight; wait returns their errors.
 func (r *rmaRig) mwHolders(t *testing.T, tag string, n int) (wait func() []error) {
+	t.Helper()
 	var wg sync.WaitGroup
 	errs := make([]error, n)
+	calls0 := r.calls.Load()
 	for i := range n {
 		wg.Go(func() {
 			_, errs[i] = r.eng.Book(context.Background(), fmt.Sprintf("%s-holder%d", tag, i), rmaLim, mwForever)
 		})
 	}
-	time.Sleep(40 * time.Millisecond)
+	r.awaitHolders(t, calls0, n)
 	return func() []error {
 		waitAll(t, &wg, 20*time.Second, tag+" holders")
 		return errs
