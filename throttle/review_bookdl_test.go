@@ -117,6 +117,20 @@ func bdlNewRig(t *testing.T, srv *redistest.Server, pool int, timeout time.Durat
 	return &bdlRig{srv: srv, p: p, rdb: rdb, calls: calls, eng: eng, other: other, obs: obs}
 }
 
+// awaitHolder waits until a holder started after r.calls read calls0 has
+// its call in flight (counted, and a connection of the pool taken), and
+// returns r.calls then. It replaces sleeps of 50 and 60 ms, which a stall
+// of the holder's goroutine outran: the callers under test then found the
+// connection free, or the holder's call was counted as theirs.
+func (r *bdlRig) awaitHolder(t *testing.T, calls0 int64) int64 {
+	t.Helper()
+	pool := uint32(r.rdb.Options().PoolSize)
+	require.Eventually(t, func() bool {
+		return r.calls.Load() > calls0 && r.rdb.PoolStats().IdleConns < pool
+	}, 5*time.Second, time.Millisecond, "the holder's call in flight")
+	return r.calls.Load()
+}
+
 // warm waits until the pool holds its warm connections again (a call cut
 // short costs its connection) and no reply is held back.
 func (r *bdlRig) warm(t *testing.T) {
@@ -507,7 +521,7 @@ func TestReviewBDLMergedEndedInFlight(t *testing.T) {
 				_, err := r.eng.Book(bg, fmt.Sprintf("m%d-holder", ci), lim, bdlForever)
 				held <- err
 			}()
-			time.Sleep(50 * time.Millisecond)
+			r.awaitHolder(t, c0)
 			var mu sync.Mutex
 			res := map[string]throttle.Booking{}
 			errs := map[string]error{}
@@ -515,7 +529,10 @@ func TestReviewBDLMergedEndedInFlight(t *testing.T) {
 			var want error
 			for i, who := range c.order {
 				if i > 0 {
-					time.Sleep(20 * time.Millisecond)
+					// They join in order (the oracle replays them so):
+					// 60 ms apart, as a stall of 30 ms of a caller's
+					// goroutine swapped them at 20 ms.
+					time.Sleep(60 * time.Millisecond)
 				}
 				ctx, cancel := bg, context.CancelFunc(func() {})
 				if who == "A" {
@@ -607,12 +624,12 @@ func TestReviewBDLEndedBeforeSending(t *testing.T) {
 					keys := []string{"a:" + tag, "b:" + tag}
 					r.p.SetReplyDelay(500 * time.Millisecond)
 					held := make(chan error, 1)
+					calls0 := r.calls.Load()
 					go func() {
 						_, err := r.eng.Book(bg, "holder"+tag, lim, bdlForever)
 						held <- err
 					}()
-					time.Sleep(60 * time.Millisecond)
-					c0 := r.calls.Load()
+					c0 := r.awaitHolder(t, calls0)
 					ctx, cancel, want := bdlCtx(cancelled, 60*time.Millisecond)
 					var err error
 					switch op {
@@ -827,12 +844,13 @@ func TestReviewBDLBadInput(t *testing.T) {
 	bg := context.Background()
 	r.p.SetReplyDelay(2 * time.Second)
 	held := make(chan error, 1)
+	calls0 := r.calls.Load()
 	go func() {
 		_, err := r.eng.Book(bg, "holder", lim, bdlForever)
 		held <- err
 	}()
-	time.Sleep(60 * time.Millisecond)
-	o0, c0 := r.obs.snap(), r.calls.Load()
+	c0 := r.awaitHolder(t, calls0)
+	o0 := r.obs.snap()
 	for _, c := range cases {
 		for _, ctxKind := range []string{"live", "cancelled", "past deadline"} {
 			ctx, cancel := context.WithCancel(bg)
