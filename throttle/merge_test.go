@@ -142,16 +142,36 @@ func TestMergedBookingsMatchTextbookGCRA(t *testing.T) {
 // holdConnection makes a single booking on key through eng whose reply
 // the proxy holds back, so that the client's one connection stays busy
 // for about the proxy's delay; it returns a channel that gets its error.
-// It waits long enough for the booking to have taken the connection.
+// It returns once the booking has taken the connection (it slept 50 ms
+// for it, which a stall of 60 ms of the booking's goroutine outran: the
+// calls meant to queue behind it went first).
 func holdConnection(t *testing.T, eng *throttle.Engine, key string) <-chan error {
 	t.Helper()
+	rdb, ok := eng.Client().(*redis.Client)
+	require.True(t, ok, "holdConnection needs a *redis.Client")
+	inUse := func() uint32 { st := rdb.PoolStats(); return st.TotalConns - st.IdleConns }
+	require.Eventually(t, func() bool { return inUse() == 0 }, 5*time.Second, time.Millisecond, "a connection in use before the holder")
 	done := make(chan error, 1)
 	go func() {
 		_, err := eng.Book(context.Background(), key, throttle.PerSecond(10, 0), throttle.Request{N: 1, MaxWait: throttle.Forever})
 		done <- err
 	}()
-	time.Sleep(50 * time.Millisecond)
+	require.Eventually(t, func() bool { return inUse() > 0 }, 5*time.Second, time.Millisecond, "the holder's booking took the connection")
 	return done
+}
+
+// awaitHolderReply waits until the holder's booking (holdConnection) on
+// full (the key with its prefix) has run in Redis, read through direct,
+// then 50 ms more for its reply to reach the proxy: a reply delay set
+// after is for the replies of the calls queued behind it, which go out
+// once the holder's reply is in (its delay after). It replaces the 50 ms
+// holdConnection slept, which counted from before the holder's goroutine
+// ran.
+func awaitHolderReply(t *testing.T, direct *redis.Client, full string) {
+	t.Helper()
+	require.Eventually(t, func() bool { return direct.Exists(context.Background(), full).Val() == 1 },
+		5*time.Second, time.Millisecond, "the holder's booking ran in Redis")
+	time.Sleep(50 * time.Millisecond)
 }
 
 // proxiedMergeEngine is mergeEngine with one connection, through a proxy
@@ -277,10 +297,11 @@ func TestMergedWaiterLeaves(t *testing.T) {
 // gets ErrReplyLost (it may have booked), as a call of its own would.
 func TestMergedReplyLost(t *testing.T) {
 	t.Parallel()
-	eng, _, _, p, _ := proxiedMergeEngine(t, 150*time.Millisecond, 500*time.Millisecond)
+	eng, direct, prefix, p, _ := proxiedMergeEngine(t, 150*time.Millisecond, 500*time.Millisecond)
 	ctx := context.Background()
 	lim := throttle.PerSecond(10, 0)
 	held := holdConnection(t, eng, "holder")
+	awaitHolderReply(t, direct, prefix+"holder")
 	p.SetReplyDelay(time.Second) // for the replies read from now on
 	var wg sync.WaitGroup
 	errs := make([]error, 4)

@@ -145,9 +145,10 @@ func TestReviewMergeLostReplySeenPerLimiter(t *testing.T) {
 	for _, merging := range []bool{false, true} {
 		t.Run(fmt.Sprintf("merging=%v", merging), func(t *testing.T) {
 			log := &callLog{}
-			eng, _, _, p, _ := reviewProxied(t, redistest.Shared(t), 150*time.Millisecond, nil,
+			eng, direct, prefix, p, _ := reviewProxied(t, redistest.Shared(t), 150*time.Millisecond, nil,
 				throttle.WithTimeout(500*time.Millisecond), throttle.WithObserver(log), throttle.WithMerging(merging))
 			held := holdConnection(t, eng, "holder")
+			awaitHolderReply(t, direct, prefix+"holder")
 			p.SetReplyDelay(time.Second)
 			keys := []string{"alpha:a", "alpha:b", "beta:a", "beta:b"}
 			_, errs := bookAt(eng, keys, throttle.PerSecond(10, 0), throttle.Request{N: 1, MaxWait: throttle.Forever})
