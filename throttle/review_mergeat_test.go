@@ -750,12 +750,13 @@ func TestReviewMergeAtObserverPanics(t *testing.T) {
 	r := rmaEngine(t, redistest.Start(t), 4, 250*time.Millisecond, throttle.WithMergeAt(1), throttle.WithMergeWait(throttle.Forever), throttle.WithObserver(obs))
 	obs.armed.Store(true)
 	var hold sync.WaitGroup
+	calls0 := r.calls.Load()
 	hold.Go(func() {
 		if _, err := r.eng.Book(context.Background(), "calm:h", rmaLim, throttle.Request{N: 1, MaxWait: throttle.Forever}); err != nil {
 			t.Error(err)
 		}
 	})
-	time.Sleep(60 * time.Millisecond)
+	r.awaitHolders(t, calls0, 1)
 	var wg sync.WaitGroup
 	var panicked atomic.Int64
 	results := make([]error, 3)
