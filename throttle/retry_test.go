@@ -73,24 +73,43 @@ func TestNoRetryAfterSend(t *testing.T) {
 // socket's deadline (set from the context's) can fire before the context
 // says it is done, and such a call used to count as Redis unavailable and
 // open the breaker for every other caller. Its error matches the
-// context's (and ErrReplyLost: a booking may exist), never ErrUnavailable,
-// and the breaker stays closed.
+// context's, never ErrUnavailable, and the breaker stays closed.
 func TestCallerDeadlineIsNotAnOutage(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Shared(t)
 	proxy := redistest.NewProxy(t, srv.Addr)
-	proxy.SetReplyDelay(100 * time.Millisecond)
 	opts := srv.Options()
 	opts.Addr = proxy.Addr()
 	prefix := redistest.Prefix(t)
-	lim := throttle.PerSecond(1000, 10)
+	// One an hour, its slot taken before the calls: each call is refused
+	// (a decision in Redis, nothing booked), so that no give-back follows
+	// it through the held replies (about a second a call).
+	lim := throttle.PerHour(1, 0)
+	direct, err := throttle.New(srv.Client(t), throttle.WithPrefix(prefix))
+	require.NoError(t, err)
+	first, err := direct.Book(context.Background(), "k", lim, throttle.Request{N: 1, MaxWait: 0})
+	require.NoError(t, err)
+	require.True(t, first.OK)
 	for i := 0; i < 30; i++ {
 		rdb := redis.NewClient(opts)
-		eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(10*time.Second))
+		obs := newBDLObs()
+		eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithTimeout(10*time.Second), throttle.WithObserver(obs))
 		require.NoError(t, err)
-		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
-		_, err = eng.Book(ctx, "k", lim, throttle.Request{N: 1, MaxWait: throttle.Forever})
+		// The client's connection is made and the scripts loaded before
+		// replies are held back: the handshake's replies, held 100 ms each
+		// (and a NOSCRIPT's, where the server had not the script), took
+		// the call past a 50 ms deadline before it went out, and every
+		// call was refused unsent, with the same error, testing nothing.
+		// The reply now comes at least 300 ms after the deadline's start,
+		// 150 ms past it, and the call has 150 ms to go out.
+		proxy.SetReplyDelay(0)
+		require.NoError(t, eng.Load(context.Background()))
+		require.NoError(t, rdb.Ping(context.Background()).Err()) // a pooled connection (Load's pipeline left none here)
+		proxy.SetReplyDelay(300 * time.Millisecond)
+		ctx, cancel := context.WithTimeout(context.Background(), 150*time.Millisecond)
+		_, err = eng.Book(ctx, "k", lim, throttle.Request{N: 1, MaxWait: 0})
 		cancel()
+		require.Equal(t, 1, obs.snap().refused, "call %d: the test's premise: the call went out (and was refused in Redis)", i)
 		require.ErrorIs(t, err, context.DeadlineExceeded, "call %d", i)
 		require.NotErrorIs(t, err, throttle.ErrUnavailable, "call %d", i)
 		open, _ := eng.Unavailable()

@@ -88,6 +88,62 @@ type bdlRig struct {
 	eng   *throttle.Engine // through the proxy, observed
 	other *throttle.Engine // straight to the server, same prefix
 	obs   *bdlObs
+	held  *bdlHold
+}
+
+// bdlHold is a go-redis hook that, once armed (hold), lets the next call
+// run in Redis and have its reply read, then holds that reply back from
+// the engine until released. A reply held back at the proxy had to be in
+// the proxy (stamped with the delay) before a timer set the delay back to
+// zero, and the call sent before a short deadline: a stall of the caller's
+// goroutine broke the scene. Here the test releases the reply once its
+// caller has ended and the others have acted.
+type bdlHold struct {
+	mu      sync.Mutex // guards ran and release
+	ran     chan error
+	release chan struct{}
+}
+
+func (h *bdlHold) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *bdlHold) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+func (h *bdlHold) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		h.mu.Lock()
+		ran, release := h.ran, h.release
+		h.ran, h.release = nil, nil
+		h.mu.Unlock()
+		if ran != nil {
+			ran <- err
+			<-release
+		}
+		return err
+	}
+}
+
+// hold arms r's hook for the next call through r.rdb: ran gets that
+// call's own error once its reply is read (nil: it ran in Redis), and the
+// engine gets the reply only once release is closed.
+func (r *bdlRig) hold() (ran <-chan error, release chan<- struct{}) {
+	rc, rel := make(chan error, 1), make(chan struct{})
+	r.held.mu.Lock()
+	r.held.ran, r.held.release = rc, rel
+	r.held.mu.Unlock()
+	return rc, rel
+}
+
+// heldRan waits (up to 5 s) for the held call's reply, and requires that
+// the call ran in Redis: the premise of a reply held past its caller's end.
+func heldRan(t *testing.T, ran <-chan error, what string) {
+	t.Helper()
+	select {
+	case err := <-ran:
+		require.NoError(t, err, "%s: the test's premise: the held call ran in Redis", what)
+	case <-time.After(5 * time.Second):
+		t.Fatalf("%s: the test's premise: the held call never went out", what)
+	}
 }
 
 // bdlNewRig builds an engine through a proxy to srv, with pool warm
@@ -98,6 +154,8 @@ func bdlNewRig(t *testing.T, srv *redistest.Server, pool int, timeout time.Durat
 	p := redistest.NewProxy(t, srv.Addr)
 	rdb := p.Client(t, srv, func(o *redis.Options) { o.PoolSize, o.MinIdleConns = pool, pool })
 	calls := callcount.Attach(rdb)
+	held := &bdlHold{}
+	rdb.AddHook(held)
 	prefix := redistest.Prefix(t)
 	obs := newBDLObs()
 	eng, err := throttle.New(rdb, append([]throttle.Option{throttle.WithPrefix(prefix), throttle.WithTimeout(timeout), throttle.WithObserver(obs)}, opts...)...)
@@ -114,7 +172,7 @@ func bdlNewRig(t *testing.T, srv *redistest.Server, pool int, timeout time.Durat
 		time.Sleep(5 * time.Millisecond)
 	}
 	require.NoError(t, rdb.Ping(context.Background()).Err())
-	return &bdlRig{srv: srv, p: p, rdb: rdb, calls: calls, eng: eng, other: other, obs: obs}
+	return &bdlRig{srv: srv, p: p, rdb: rdb, calls: calls, eng: eng, other: other, obs: obs, held: held}
 }
 
 // awaitHolder waits until a holder started after r.calls read calls0 has
@@ -407,20 +465,21 @@ func TestReviewBDLOthersBetween(t *testing.T) {
 	run := func(t *testing.T, keys []string, lims []throttle.Limit, btw between) {
 		m := bdlNewModel(lims...)
 		// Ours go first on an idle key: decided at some now0 we learn
-		// from the key's TAT afterwards. Book them through the proxy.
-		r.p.SetReplyDelay(300 * time.Millisecond)
-		ctx, cancel := context.WithTimeout(bg, 60*time.Millisecond)
+		// from the key's TAT afterwards. Their reply is held back (r.hold)
+		// until the others have acted and ours' deadline has passed.
+		ran, release := r.hold()
+		ctx, cancel := context.WithTimeout(bg, 200*time.Millisecond)
 		done := make(chan error, 1)
 		go func() {
 			_, err := r.eng.BookAll(ctx, keys, lims, ours)
 			done <- err
 		}()
-		time.Sleep(120 * time.Millisecond) // ours ran in Redis; its reply is held
-		r.p.SetReplyDelay(0)               // give-backs go at full speed
+		heldRan(t, ran, "ours") // ours ran in Redis; its reply is held
 		// Learn ours' decision time: the TAT of keys[0] after ours is
 		// now0 + sum of N*I (ours start from idle, all booked ahead).
 		st, err := r.other.State(bg, keys, lims)
 		require.NoError(t, err)
+		require.True(t, st.Keys[0].Exists, "ours booked, reply held: %s holds ours", keys[0])
 		// From idle, the textbook is the same at every instant: ours
 		// judged at 0 put keys[0]'s TAT at mm.tats[0] after now0.
 		mm := bdlNewModel(lims...)
@@ -433,6 +492,8 @@ func TestReviewBDLOthersBetween(t *testing.T) {
 		}
 		bdlRequireState(t, r.other, "ours booked, reply held", keys, lims, m)
 		btw(t, keys, lims, m)
+		<-ctx.Done() // ours' caller has ended: the reply comes past it
+		close(release)
 		err = <-done
 		cancel()
 		bdlEnded(t, err, context.DeadlineExceeded, "ours")
@@ -704,21 +765,30 @@ func TestReviewBDLRedisDownDuringGiveBack(t *testing.T) {
 	lim := throttle.Every(time.Hour, 60, 4)
 	reqs := []throttle.Request{bdlForever, bdlForever, bdlForever}
 	bg := context.Background()
+	// call books reqs on key; the reply is held (r.hold) until the
+	// caller's deadline has passed and during has run, Redis then down
+	// (or not, for the control) before the give-back.
 	call := func(key string, during func()) (time.Duration, error) {
 		r.warm(t)
-		r.p.SetReplyDelay(300 * time.Millisecond)
-		ctx, cancel := context.WithTimeout(bg, 60*time.Millisecond)
+		ran, release := r.hold()
+		ctx, cancel := context.WithTimeout(bg, 200*time.Millisecond)
 		defer cancel()
-		fired := make(chan struct{})
-		time.AfterFunc(150*time.Millisecond, func() {
-			defer close(fired)
-			r.p.SetReplyDelay(0)
-			during()
-		})
+		fired := make(chan error, 1)
+		go func() {
+			defer close(release)
+			select {
+			case err := <-ran:
+				<-ctx.Done()
+				during()
+				fired <- err
+			case <-time.After(5 * time.Second):
+				fired <- errors.New("the held call never went out")
+			}
+		}()
 		start := time.Now()
 		_, err := r.eng.BookBatch(ctx, key, lim, reqs)
 		el := time.Since(start)
-		<-fired
+		require.NoError(t, <-fired, "%s: the test's premise: the booking ran in Redis, its reply held past the deadline", key)
 		return el, err
 	}
 	ctrl, err := call("ctrl", func() {})
@@ -760,8 +830,11 @@ func TestReviewBDLNoTimeout(t *testing.T) {
 	reqs := []throttle.Request{bdlForever, {N: 2, MaxWait: throttle.Forever}}
 	bg := context.Background()
 
-	r.p.SetReplyDelay(200 * time.Millisecond)
-	ctx, cancel := context.WithTimeout(bg, 60*time.Millisecond)
+	// The reply comes at least 300 ms after the deadline's start, 100 ms
+	// past it, and the call has 200 ms to go out (a stall of 60 ms
+	// refused it unsent with 60 ms).
+	r.p.SetReplyDelay(300 * time.Millisecond)
+	ctx, cancel := context.WithTimeout(bg, 200*time.Millisecond)
 	_, err := r.eng.BookBatch(ctx, "nt-dl", lim, reqs)
 	cancel()
 	require.ErrorIs(t, err, context.DeadlineExceeded)
@@ -773,16 +846,30 @@ func TestReviewBDLNoTimeout(t *testing.T) {
 	// The next call on the pool works (the cut connection was dropped).
 	r.p.SetReplyDelay(0)
 	require.NoError(t, r.rdb.Ping(bg).Err())
-	// Warm again for the next in-flight call.
-	time.Sleep(50 * time.Millisecond)
+	r.warm(t) // warm again for the next in-flight call
 
-	r.p.SetReplyDelay(200 * time.Millisecond)
+	// Cancelled once the booking has run in Redis (its key seen straight
+	// from the server), its reply held back 300 ms: not by a 60 ms timer,
+	// which a stall before the call outran (the call refused unsent, and
+	// the key untouched as if given back).
+	r.p.SetReplyDelay(300 * time.Millisecond)
 	cctx, ccancel := context.WithCancel(bg)
-	tm := time.AfterFunc(60*time.Millisecond, ccancel)
+	booked := make(chan bool, 1)
+	go func() {
+		defer ccancel()
+		for end := time.Now().Add(5 * time.Second); time.Now().Before(end); time.Sleep(time.Millisecond) {
+			st, err := r.other.State(bg, []string{"nt-cancel"}, []throttle.Limit{lim})
+			if err == nil && st.Keys[0].Exists {
+				booked <- true
+				return
+			}
+		}
+		booked <- false
+	}()
 	_, err = r.eng.BookBatch(cctx, "nt-cancel", lim, reqs)
-	tm.Stop()
 	ccancel()
 	r.p.SetReplyDelay(0)
+	require.True(t, <-booked, "the test's premise: the booking ran in Redis before the cancel")
 	require.ErrorIs(t, err, context.Canceled)
 	if errors.Is(err, throttle.ErrReplyLost) {
 		t.Logf("cancel without a timeout lost the reply: %v", err)
@@ -935,18 +1022,21 @@ func TestReviewBDLGiveBackStopsWhenNothingCanComeBack(t *testing.T) {
 	}
 	bg := context.Background()
 	o0, c0 := r.obs.snap(), r.calls.Load()
-	r.p.SetReplyDelay(300 * time.Millisecond)
-	ctx, cancel := context.WithTimeout(bg, 60*time.Millisecond)
+	ran, release := r.hold()
+	ctx, cancel := context.WithTimeout(bg, 200*time.Millisecond)
 	done := make(chan error, 1)
 	go func() {
 		_, err := r.eng.BookBatch(ctx, "stop", lim, reqs)
 		done <- err
 	}()
-	time.Sleep(120 * time.Millisecond)
-	r.p.SetReplyDelay(0)
-	x, err := r.other.Book(bg, "stop", lim, bdlForever) // stands on the batch's latest
+	heldRan(t, ran, "the batch") // booked in Redis; its reply held
+	// The other's booking stands on the batch's latest.
+	x, err := r.other.Book(bg, "stop", lim, bdlForever)
 	require.NoError(t, err)
 	require.True(t, x.OK)
+	require.Greater(t, x.Wait, time.Duration(n-1)*lim.Interval(), "the test's premise: the other's booking stands on the batch's %d", n)
+	<-ctx.Done()
+	close(release)
 	err = <-done
 	cancel()
 	bdlEnded(t, err, context.DeadlineExceeded, "ended batch")
@@ -976,15 +1066,27 @@ func TestReviewBDLGiveBackCostPerBooking(t *testing.T) {
 		for i := range reqs {
 			reqs[i] = bdlForever
 		}
+		// Every call at 15 ms each way; the booking's reply held (r.hold)
+		// until the caller's deadline has passed, the give-backs not.
 		r.p.SetLatency(15 * time.Millisecond)
-		r.p.SetReplyDelay(200 * time.Millisecond)
-		ctx, cancel := context.WithTimeout(bg, 60*time.Millisecond)
+		ran, release := r.hold()
+		ctx, cancel := context.WithTimeout(bg, 200*time.Millisecond)
 		defer cancel()
-		tm := time.AfterFunc(100*time.Millisecond, func() { r.p.SetLatency(15 * time.Millisecond) }) // give-backs at 15 ms each way
-		defer tm.Stop()
+		fired := make(chan error, 1)
+		go func() {
+			defer close(release)
+			select {
+			case err := <-ran:
+				<-ctx.Done()
+				fired <- err
+			case <-time.After(5 * time.Second):
+				fired <- errors.New("the held call never went out")
+			}
+		}()
 		start := time.Now()
 		_, err := r.eng.BookBatch(ctx, key, lim, reqs)
 		el := time.Since(start)
+		require.NoError(t, <-fired, "%s: the test's premise: the booking ran in Redis, its reply held past the deadline", key)
 		bdlEnded(t, err, context.DeadlineExceeded, key)
 		bdlRequireState(t, r.other, key, []string{key}, []throttle.Limit{lim}, bdlNewModel(lim))
 		return el
