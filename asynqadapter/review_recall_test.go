@@ -596,21 +596,39 @@ func rcShutdownPoint(t *testing.T, point string) {
 	require.NoError(t, err)
 	require.Len(t, entries, 1)
 	S := time.UnixMicro(int64(entries[0].Score))
-	c1 := obs1.calls.Load()
+	c1, e1 := obs1.calls.Load(), obs1.errs.Load()
 
+	// The scene waits for P1's recall itself, not for 50 or 100 ms after
+	// X went active: a stall of P1's goroutines past them had the delay
+	// lifted before the recall's reply reached the proxy (not lost), the
+	// shutdown come before the recall, or the latency hold the recall
+	// instead of the restore, and the case passed without its scene.
+	recalled := func() {
+		t.Helper()
+		require.Eventually(t, func() bool {
+			n, err := look.ZCard(context.Background(), idx).Result()
+			return err == nil && n == 0
+		}, 10*time.Second, time.Millisecond, "the test's premise: P1's recall took X's entry out of the index")
+	}
 	switch point {
 	case "recall reply lost":
 		p.SetReplyDelay(800 * time.Millisecond)
 		waitState(t, insp, queue, "x", asynq.TaskStateActive, 10*time.Second)
-		time.Sleep(100 * time.Millisecond) // the recall sent
+		recalled()
+		// The recall's reply, held 800 ms, is lost at P1's 300 ms timeout.
+		require.Eventually(t, func() bool { return obs1.errs.Load() > e1 }, 10*time.Second, time.Millisecond,
+			"the test's premise: P1's recall lost its reply")
 		p.SetReplyDelay(0)
 	case "recall reply late":
 		p.SetReplyDelay(800 * time.Millisecond)
 		waitState(t, insp, queue, "x", asynq.TaskStateActive, 10*time.Second)
-		time.Sleep(50 * time.Millisecond) // the recall sent
+		recalled() // its reply held
 	case "restore races":
 		waitState(t, insp, queue, "x", asynq.TaskStateActive, 10*time.Second)
-		time.Sleep(100 * time.Millisecond) // the recall answered: asleep until S
+		recalled()
+		// The recall answered: X asleep until S.
+		require.Eventually(t, func() bool { return obs1.calls.Load() > c1 }, 10*time.Second, time.Millisecond,
+			"the test's premise: P1's recall answered")
 		p.SetLatency(300 * time.Millisecond)
 	case "at the slot":
 		waitState(t, insp, queue, "x", asynq.TaskStateActive, 10*time.Second)
