@@ -128,12 +128,13 @@ func (c *sq45Counter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 // The doc: the keeper sends a failed leave call again every poll
 // interval until it succeeds or the TTL has passed. Counted, per gone
 // waiter, the leave calls sent and when the last went, in three cases
-// run side by side: "plain" (a waiter cancelled while queued, no keep
+// run one after another: "plain" (a waiter cancelled while queued, no keep
 // call out: the control), "keep-out" (cancelled while a keep call that
 // refreshed it is out: the keep reply asks for a leave call again, with
 // a new seq), and "many" (five waiters cancelled together). Checks: no
 // case sends more than the control's count plus two per waiter, nor
-// after the control's last call plus three polls; and the keeper of
+// after the control's last call plus three polls (the doc's one call a
+// poll for a TTL where it allows more); and the keeper of
 // every case stops (its Semaphore's goroutines end within 2 s of Close).
 func TestReviewSeq45LeaveCallsPerWaiter(t *testing.T) {
 	const ttl, poll = 900 * time.Millisecond, 50 * time.Millisecond
@@ -199,14 +200,20 @@ func TestReviewSeq45LeaveCallsPerWaiter(t *testing.T) {
 			how, r.counts, r.last, ttl, poll, time.Since(start))
 		return r
 	}
+	// The bounds are the control's, or the doc's where that is higher: on
+	// a starved machine the control's keeper, run before the others, was
+	// held back and sent 15 calls where the next case sent 19, fewer than
+	// the doc allows (one a poll for a TTL).
+	byDoc := int(ttl/poll) + 1
 	for round := 0; round < 2; round++ {
 		ctl := run(t, "plain")
 		require.NotEmpty(t, ctl.counts)
+		most := max(ctl.counts[len(ctl.counts)-1], byDoc) + 2
 		for _, how := range []string{"keep-out", "many"} {
 			r := run(t, how)
 			require.NotEmpty(t, r.counts, how)
-			assert.LessOrEqual(t, r.counts[len(r.counts)-1], ctl.counts[len(ctl.counts)-1]+2, "%s: leave calls for one gone waiter (control %v)", how, ctl.counts)
-			assert.LessOrEqual(t, r.last, ctl.last+3*poll, "%s: a leave call after the TTL (control's last %v)", how, ctl.last)
+			assert.LessOrEqual(t, r.counts[len(r.counts)-1], most, "%s: leave calls for one gone waiter (control %v, the doc's %d)", how, ctl.counts, byDoc)
+			assert.LessOrEqual(t, r.last, max(ctl.last, ttl)+3*poll, "%s: a leave call after the TTL (control's last %v)", how, ctl.last)
 		}
 	}
 	leasetest.Settled(t, 2*time.Second)
