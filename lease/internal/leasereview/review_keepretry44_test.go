@@ -552,7 +552,11 @@ func TestReviewKeepRetry44HeldLeases(t *testing.T) {
 	ctx := context.Background()
 	const n, ttl = 20, 3 * time.Second
 	h := newKr44Hook()
-	engA := leasetest.Direct(t, e, 50*time.Millisecond, h)
+	// The hook fails its calls unsent, at once; the engine's timeout
+	// (500 ms, was 50 ms) bounds only the calls sent, which a starved
+	// machine made miss 50 ms: a third failure in a row, not the hook's,
+	// and a lease Lost although the test meant Redis to answer.
+	engA := leasetest.Direct(t, e, 500*time.Millisecond, h)
 	a := leasetest.SemOn(t, engA, 1, lease.WithTTL(ttl))
 	require.NoError(t, a.Load(ctx))
 	ls := make([]*lease.Lease, n)
@@ -669,8 +673,13 @@ func TestReviewKeepRetry44CloseRacesRetry(t *testing.T) {
 		require.NoError(t, err)
 		var mine, theirs []*lease.Lease
 		for k := range 3 {
-			l, err := a.Acquire(ctx, fmt.Sprint("cm", it, ".", k))
-			require.NoError(t, err)
+			// A's engine has a 50 ms timeout, which a starved machine's
+			// setup call can miss (a reply lost: tried again).
+			var l *lease.Lease
+			redistest.UntilOK(t, func() (err error) {
+				l, err = a.Acquire(ctx, fmt.Sprint("cm", it, ".", k))
+				return err
+			})
 			mine = append(mine, l)
 			l, err = b.Acquire(ctx, fmt.Sprint("ct", it, ".", k))
 			require.NoError(t, err)
