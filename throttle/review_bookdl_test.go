@@ -146,6 +146,49 @@ func heldRan(t *testing.T, ran <-chan error, what string) {
 	}
 }
 
+// endInFlight makes the context of a call through r that ends while the
+// call's reply is held back (r.hold), at d from now (its deadline, or a
+// cancel), or, if cancelled and the call has not run in Redis by then,
+// once it has; the reply is released once the context has ended. fired gets nil then, or the premise's failure: the
+// held call did not run in Redis, or never went out (5 s). It replaces a
+// deadline (or a cancel timer) of 60 ms against a reply held 200 ms at the
+// proxy, which a stall of 70 ms before the call outran: the call was
+// refused unsent.
+func (r *bdlRig) endInFlight(cancelled bool, d time.Duration) (ctx context.Context, cancel context.CancelFunc, fired <-chan error, want error) {
+	ran, release := r.hold()
+	start := time.Now()
+	if cancelled {
+		ctx, cancel = context.WithCancel(context.Background())
+		want = context.Canceled
+	} else {
+		ctx, cancel = context.WithTimeout(context.Background(), d)
+		want = context.DeadlineExceeded
+	}
+	f := make(chan error, 1)
+	go func() {
+		defer close(release)
+		select {
+		case err := <-ran:
+			if cancelled {
+				time.Sleep(time.Until(start.Add(d)))
+				cancel()
+			}
+			<-ctx.Done()
+			f <- err
+		case <-time.After(5 * time.Second):
+			f <- errors.New("the held call never went out")
+		}
+	}()
+	return ctx, cancel, f, want
+}
+
+// endedInFlight requires fired (from endInFlight) to report that the call
+// ran in Redis, its reply held past its caller's end: the test's premise.
+func endedInFlight(t *testing.T, fired <-chan error, what string) {
+	t.Helper()
+	require.NoError(t, <-fired, "%s: the test's premise: the call ran in Redis, its reply held past its caller's end", what)
+}
+
 // bdlNewRig builds an engine through a proxy to srv, with pool warm
 // connections (MinIdleConns = pool, waited for), and another engine on the
 // same prefix straight to srv for reading State and booking beside it.
@@ -356,11 +399,10 @@ func TestReviewBDLBatchMixedComesBackExactly(t *testing.T) {
 			bdlRequireState(t, r.other, "before", []string{key}, []throttle.Limit{lim}, m)
 
 			o0, c0 := r.obs.snap(), r.calls.Load()
-			r.p.SetReplyDelay(200 * time.Millisecond)
-			ctx, cancel, want := bdlCtx(cancelled, 60*time.Millisecond)
+			ctx, cancel, fired, want := r.endInFlight(cancelled, 200*time.Millisecond)
 			bs, err := r.eng.BookBatch(ctx, key, lim, reqs)
 			cancel()
-			r.p.SetReplyDelay(0)
+			endedInFlight(t, fired, "ended batch")
 			bdlEnded(t, err, want, "ended batch")
 			require.Nil(t, bs)
 			o := r.obs.snap().minus(o0)
@@ -423,11 +465,10 @@ func TestReviewBDLBookAllTwoLimits(t *testing.T) {
 				}
 			}
 			o0, c0 := r.obs.snap(), r.calls.Load()
-			r.p.SetReplyDelay(200 * time.Millisecond)
-			ctx, cancel, want := bdlCtx(cancelled, 60*time.Millisecond)
+			ctx, cancel, fired, want := r.endInFlight(cancelled, 200*time.Millisecond)
 			bs, err := r.eng.BookAll(ctx, keys, lims, reqs)
 			cancel()
-			r.p.SetReplyDelay(0)
+			endedInFlight(t, fired, "ended BookAll")
 			bdlEnded(t, err, want, "ended BookAll")
 			require.Nil(t, bs)
 			o := r.obs.snap().minus(o0)
@@ -691,7 +732,12 @@ func TestReviewBDLEndedBeforeSending(t *testing.T) {
 						held <- err
 					}()
 					c0 := r.awaitHolder(t, calls0)
-					ctx, cancel, want := bdlCtx(cancelled, 60*time.Millisecond)
+					// The caller's end comes 150 ms on (was 60 ms, which a
+					// stall of 70 ms before the call outran: the context
+					// ended before the call, never waiting for the
+					// connection), the holder's reply 500 ms after its call.
+					ctx, cancel, want := bdlCtx(cancelled, 150*time.Millisecond)
+					require.NoError(t, ctx.Err(), "the test's premise: the caller's context ends while it waits for the connection, not before its call")
 					var err error
 					switch op {
 					case "Book":
@@ -985,11 +1031,10 @@ func TestReviewBDLReserveCancelOnly(t *testing.T) {
 			l, err := reserve.New(r.eng, fmt.Sprintf("rv%v", co), lim, reserve.WithCoalescing(co), reserve.WithoutMaxWait())
 			require.NoError(t, err)
 			o0, c0 := r.obs.snap(), r.calls.Load()
-			r.p.SetReplyDelay(200 * time.Millisecond)
-			ctx, cancel, _ := bdlCtx(true, 60*time.Millisecond)
+			ctx, cancel, fired, _ := r.endInFlight(true, 0)
 			_, err = l.ReserveN(ctx, "k", 2)
 			cancel()
-			r.p.SetReplyDelay(0)
+			endedInFlight(t, fired, "reserve, cancelled")
 			bdlEnded(t, err, context.Canceled, "reserve, cancelled")
 			key := fmt.Sprintf("rv%v:{k}", co)
 			bdlRequireState(t, r.other, "untouched", []string{key}, []throttle.Limit{lim}, bdlNewModel(lim))
@@ -1242,11 +1287,12 @@ func TestReviewBDLShortIntervalComesBack(t *testing.T) {
 			m.replay(t, "pre", bdlNow(pb[0]), pre, pb)
 			reqs := []throttle.Request{bdlForever, {N: 2, MaxWait: throttle.Forever}, {N: 1, MaxWait: 0}, bdlForever}
 			o0, c0 := r.obs.snap(), r.calls.Load()
-			r.p.SetReplyDelay(250 * time.Millisecond)
-			ctx, cancel, want := bdlCtx(cancelled, 60*time.Millisecond)
+			// Ours' reply is held (r.hold) until its caller has ended: more
+			// than I, and before ours' first slot (350 ms after now0).
+			ctx, cancel, fired, want := r.endInFlight(cancelled, 150*time.Millisecond)
 			_, err = r.eng.BookBatch(ctx, key, lim, reqs)
 			cancel()
-			r.p.SetReplyDelay(0)
+			endedInFlight(t, fired, "ended")
 			bdlEnded(t, err, want, "ended")
 			o := r.obs.snap().minus(o0)
 			t.Logf("round trips %d, observer %+v", r.calls.Load()-c0, o)
@@ -1262,11 +1308,10 @@ func TestReviewBDLShortIntervalComesBack(t *testing.T) {
 			require.NoError(t, err)
 			o0 = r.obs.snap()
 			c0 = r.calls.Load()
-			r.p.SetReplyDelay(200 * time.Millisecond)
-			ctx, cancel, want = bdlCtx(cancelled, 60*time.Millisecond)
+			ctx, cancel, fired, want = r.endInFlight(cancelled, 200*time.Millisecond)
 			_, err = r.eng.BookBatch(ctx, key, lim, []throttle.Request{{N: 2, MaxWait: 0}, {N: 2, MaxWait: 0}})
 			cancel()
-			r.p.SetReplyDelay(0)
+			endedInFlight(t, fired, "all refused, ended")
 			bdlEnded(t, err, want, "all refused, ended")
 			require.Equal(t, int64(1), r.calls.Load()-c0, "nothing booked: nothing to give back")
 			o = r.obs.snap().minus(o0)

@@ -239,8 +239,10 @@ func TestReviewRRLostReplyProxy(t *testing.T) {
 	p := redistest.NewProxy(t, srv.Addr)
 	rdb := p.Client(t, srv)
 	obs := &rrObs{}
-	eng, err := throttle.New(rdb, throttle.WithPrefix(redistest.Prefix(t)), throttle.WithObserver(obs), throttle.WithTimeout(300*time.Millisecond))
+	prefix := redistest.Prefix(t)
+	eng, err := throttle.New(rdb, throttle.WithPrefix(prefix), throttle.WithObserver(obs), throttle.WithTimeout(300*time.Millisecond))
 	require.NoError(t, err)
+	direct := srv.Client(t)
 	ctx := context.Background()
 	redistest.UntilOK(t, func() error { return eng.Load(ctx) })
 	per := throttle.PerMinute(1, 0)
@@ -266,10 +268,16 @@ func TestReviewRRLostReplyProxy(t *testing.T) {
 			_, err = eng.Refund(ctx, key, per, b)
 			p.SetReplyDelay(0)
 		case "sever":
+			before := direct.Get(ctx, prefix+key).Val()
 			p.SetReplyDelay(2 * time.Second)
 			done := make(chan error, 1)
 			go func() { _, err := eng.Refund(ctx, key, per, b); done <- err }()
-			time.Sleep(100 * time.Millisecond) // the request reaches Redis at once
+			// Severed once the refund has run in Redis (the key's TAT
+			// moved back), its reply held: not 100 ms after the call
+			// began, which a stall of 110 ms of its goroutine outran
+			// (severed before it was sent: not a lost reply).
+			require.Eventually(t, func() bool { return direct.Get(ctx, prefix+key).Val() != before },
+				5*time.Second, time.Millisecond, "the test's premise: the refund ran in Redis")
 			p.Sever()
 			err = <-done
 			p.SetReplyDelay(0)
