@@ -204,6 +204,21 @@ func newPTSceneOn(t *testing.T, srv *redistest.Server, name string, n int, limit
 	return &ptScene{r: r, p: p, n: n}
 }
 
+// awaitFlying waits (up to 5 s) until X's booking on xkey has run in
+// Redis (its key seen straight from the server): its reply, held ptD at
+// the proxy, is out, so the bookings that follow merge. It replaces a
+// sleep of 60 ms, which a stall of the pool's goroutines of 70 ms outran:
+// X's call went after the others', L alone, and the trial lost its
+// premise (TestReviewPTTradeThenClose then passed with no trial meeting
+// it, TestReviewPTAcquireOnTop tested another scene).
+func (s *ptScene) awaitFlying(t *testing.T, xkey string) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		st, err := s.r.probe.State(context.Background(), s.r.keys(xkey), s.r.limits)
+		return err == nil && st.Keys[0].Exists
+	}, 5*time.Second, time.Millisecond, "X's booking on %s ran in Redis, its reply held", xkey)
+}
+
 // ptTrial is one trial's jobs: late[i] tells job i's deadline falls
 // while its reply is out (refused late, its booking held); held lists the
 // jobs whose replies are held back until every other job is done, then
@@ -233,7 +248,7 @@ func (s *ptScene) run(t *testing.T, key string, tr ptTrial) ptResult {
 	bg := context.Background()
 	x, err := s.p.Submit(bg, "x"+key, fgNop)
 	require.NoError(t, err)
-	time.Sleep(60 * time.Millisecond) // X's call in flight: the next bookings merge
+	s.awaitFlying(t, "x"+key) // X's call in flight: the next bookings merge
 	gates := make([]*ptGate, s.n)
 	for _, i := range tr.held {
 		gates[i] = &ptGate{ch: make(chan struct{})}
@@ -641,7 +656,7 @@ func TestReviewPTTradeThenClose(t *testing.T) {
 				bg := context.Background()
 				x, err := sc.p.Submit(bg, "xk", fgNop)
 				require.NoError(t, err)
-				time.Sleep(60 * time.Millisecond)
+				sc.awaitFlying(t, "xk") // X's call in flight: L and R merge
 				g := &ptGate{ch: make(chan struct{})}
 				lctx, lcancel := context.WithTimeout(context.WithValue(bg, ptGateKey{}, g), ptD-150*time.Millisecond)
 				defer lcancel()
@@ -728,6 +743,7 @@ func TestReviewPTTradeThenClose(t *testing.T) {
 				}
 			}
 			t.Logf("Redis %s: %d trials met the premise, L under R in %d", state, trials, under)
+			require.Positive(t, trials, "Redis %s: no trial met the premise (L refused late, booked in R's call)", state)
 		})
 	}
 }
@@ -954,7 +970,7 @@ func TestReviewPTAcquireOnTop(t *testing.T) {
 		key := fmt.Sprintf("k%d", trial)
 		x, err := sc.p.Submit(bg, "x"+key, fgNop)
 		require.NoError(t, err)
-		time.Sleep(60 * time.Millisecond)
+		sc.awaitFlying(t, "x"+key) // X's call in flight: L and the caller merge
 		lctx, lcancel := context.WithTimeout(bg, ptD-150*time.Millisecond)
 		var l *pool.Job
 		var release func()
