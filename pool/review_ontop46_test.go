@@ -27,9 +27,9 @@ package pool_test
 // back from under a booking that ran, requires the same slot to the
 // microsecond (dispatch.go:532 tradeUnderLocked, dispatch.go:600
 // forgetUnderLocked, reserve.go:1124), which two calls never share. So when
-// the other acts, forgetUnderLocked drops L's booking (dispatch.go:607); or,
-// where the other acted first, L's is given back with nothing to give. The
-// room is lost: probes straight in Redis find none at once.
+// the other acts, forgetUnderLocked drops L's booking (dispatch.go:607):
+// the pool sends no give-back at all (the rig's observer counts no
+// refund). The room is lost: probes straight in Redis find none at once.
 //
 // FAILS at f4e8b7f: caller and job, 3 of 3 trials each (room 0, textbook
 // 1). Control: the same scene with L not late (it runs too) leaves room 0,
@@ -86,6 +86,7 @@ func TestReviewOnTop46SeparateCalls(t *testing.T) {
 				if tc.late {
 					lctx, lcancel = context.WithTimeout(bg, ptD-150*time.Millisecond)
 				}
+				refunds0, given0 := sc.r.obs.refunds.Load(), sc.r.obs.given.Load()
 				l, err := sc.p.Submit(lctx, key, fgNop)
 				require.NoError(t, err)
 				// L's booking has run in Redis, its reply held at the
@@ -128,7 +129,7 @@ func TestReviewOnTop46SeparateCalls(t *testing.T) {
 				// Textbook GCRA (burst 1, I = 10 s) over the units that ran,
 				// all at slots no later than the probe: room for 2 - ran.
 				room := sc.probeRoom(t, key, 2)
-				t.Logf("trial %d: L late %v (slot %v), %d ran; room %d, textbook %d", trial, hoLate(l), lat.Format("15:04:05.000000"), ran, room, 2-ran)
+				t.Logf("trial %d: L late %v (slot %v), %d ran; refunds sent by the pool %d (gave something: %d); room %d, textbook %d", trial, hoLate(l), lat.Format("15:04:05.000000"), ran, sc.r.obs.refunds.Load()-refunds0, sc.r.obs.given.Load()-given0, room, 2-ran)
 				require.LessOrEqual(t, room, 2-ran, "trial %d: room given back twice", trial)
 				if room < 2-ran {
 					lost++
