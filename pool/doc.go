@@ -52,6 +52,10 @@
 //     cancelled in any order give back all their room), or forgotten once
 //     a later job of its key has started on it or its units have lapsed
 //     (throttle's Booking.End): either way it could give nothing back.
+//     (A known limit: a late refusal's booking whose slot has passed by
+//     the time its reply is in, under which a job or caller booked in a
+//     later call starts, so goes unused, its room lost to the key until
+//     its units lapse: TestReviewOnTop46SeparateCalls.)
 //     Only slots that have not come change hands (a slot passed unused is
 //     not run late; a job's replies tell it the Redis clock, so a slot
 //     handed to it starts as early as its own reply or the booking's
