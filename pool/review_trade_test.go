@@ -206,17 +206,15 @@ func newPTSceneOn(t *testing.T, srv *redistest.Server, name string, n int, limit
 
 // awaitFlying waits (up to 5 s) until X's booking on xkey has run in
 // Redis (its key seen straight from the server): its reply, held ptD at
-// the proxy, is out, so the bookings that follow merge. It replaces a
-// sleep of 60 ms, which a stall of the pool's goroutines of 70 ms outran:
-// X's call went after the others', L alone, and the trial lost its
-// premise (TestReviewPTTradeThenClose then passed with no trial meeting
-// it, TestReviewPTAcquireOnTop tested another scene).
+// the proxy, is out, so the bookings that follow merge (awaitInRedis).
+// A sleep of 60 ms, which it replaced, was outrun by a stall of the
+// pool's goroutines of 70 ms: X's call went after the others', L alone,
+// and the trial lost its premise (TestReviewPTTradeThenClose then passed
+// with no trial meeting it, TestReviewPTAcquireOnTop tested another
+// scene).
 func (s *ptScene) awaitFlying(t *testing.T, xkey string) {
 	t.Helper()
-	require.Eventually(t, func() bool {
-		st, err := s.r.probe.State(context.Background(), s.r.keys(xkey), s.r.limits)
-		return err == nil && st.Keys[0].Exists
-	}, 5*time.Second, time.Millisecond, "X's booking on %s ran in Redis, its reply held", xkey)
+	awaitInRedis(t, s.r.probe, s.r.keys(xkey), s.r.limits, "X's booking on "+xkey)
 }
 
 // ptTrial is one trial's jobs: late[i] tells job i's deadline falls

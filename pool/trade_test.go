@@ -84,7 +84,7 @@ func TestLeaseLateRefusalUnderJobOfSameSlot(t *testing.T) {
 			held = make(chan struct{})
 			x, err := p.Submit(bg, "x"+key, fgNop)
 			require.NoError(t, err)
-			time.Sleep(60 * time.Millisecond) // X's call in flight: the next bookings merge
+			r.awaitFlying(t, "x"+key) // X's call in flight: the next bookings merge
 			lctx, lcancel := context.WithTimeout(bg, D-150*time.Millisecond)
 			rctx := bg
 			if holdL {
@@ -204,10 +204,10 @@ func TestBatchLateRefusalUnderJobOfSameSlot(t *testing.T) {
 		key := fmt.Sprintf("k%d", trial)
 		x, err := p.Submit(bg, key, fgNop)
 		require.NoError(t, err)
-		time.Sleep(60 * time.Millisecond) // X's batch in flight: L and R wait for it, then go in one batch
-		// Sent about D after X, L has about 250 ms left: booked at once,
-		// its reply D later comes too late.
-		lctx, lcancel := context.WithTimeout(bg, D+250*time.Millisecond-60*time.Millisecond)
+		r.awaitFlying(t, key) // X's batch in flight: L and R wait for it, then go in one batch
+		// Sent about D after X's batch ran, L has about 250 ms left:
+		// booked at once, its reply D later comes too late.
+		lctx, lcancel := context.WithTimeout(bg, D+250*time.Millisecond)
 		l, err := p.Submit(lctx, key, fgNop)
 		require.NoError(t, err)
 		rj, err := p.Submit(bg, key, fgNop)
@@ -271,7 +271,7 @@ func TestLeaseLateRefusalUnderAcquireOfSameSlot(t *testing.T) {
 			booked0 := calls.booked()
 			x, err := p.Submit(bg, "x"+key, fgNop)
 			require.NoError(t, err)
-			time.Sleep(60 * time.Millisecond) // X's call in flight: the next bookings merge
+			r.awaitFlying(t, "x"+key) // X's call in flight: the next bookings merge
 			lctx, lcancel := context.WithTimeout(bg, D-150*time.Millisecond)
 			if holdL {
 				lctx = context.WithValue(lctx, heldReplyKey{}, true)
