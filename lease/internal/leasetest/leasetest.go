@@ -269,9 +269,9 @@ func (h Hook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessP
 	return next
 }
 
-// Probe finds the lease of token on the Redis side: its id, its expiry
+// probe finds the lease of token on the Redis side: its id, its expiry
 // (ZSCORE, µs), Redis's TIME (µs) and whether it is still a holder.
-var Probe = redis.NewScript(`
+var probe = redis.NewScript(`
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local all = redis.call('HGETALL', KEYS[2])
@@ -296,19 +296,19 @@ type Seen struct {
 func (s Seen) Margin() time.Duration { return time.Duration(s.Expiry-s.Now) * time.Microsecond }
 
 // Look finds the lease of token under key on the Redis side (the zero
-// Seen if the Probe fails).
+// Seen if the probe fails).
 func Look(ctx context.Context, rdb *redis.Client, e *Env, key string, token int64) Seen {
 	s, _ := LookOn(ctx, rdb, e.Prefix, key, token)
 	return s
 }
 
-// LookOn is Look on any Scripter (a Cluster client routes the Probe to
+// LookOn is Look on any Scripter (a Cluster client routes the probe to
 // the key's node, whose TIME it reads), for a Semaphore named partner on
-// an engine with the given key prefix. It returns the Probe's error, or
+// an engine with the given key prefix. It returns the probe's error, or
 // one naming a reply that is not four values, with the zero Seen.
 func LookOn(ctx context.Context, rdb redis.Scripter, prefix, key string, token int64) (Seen, error) {
 	base := prefix + "partner:{" + key + "}:lease:"
-	v, err := Probe.Run(ctx, rdb, []string{base + "h", base + "t"}, fmt.Sprint(token)).Slice()
+	v, err := probe.Run(ctx, rdb, []string{base + "h", base + "t"}, fmt.Sprint(token)).Slice()
 	if err != nil {
 		return Seen{}, err
 	}
