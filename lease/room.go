@@ -4,10 +4,10 @@ import (
 	"context"
 	"errors"
 	"strconv"
-	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/slotbook/slotbook/internal/rediserr"
 	"github.com/slotbook/slotbook/throttle"
@@ -298,18 +298,12 @@ func (s *Semaphore) sendLeaves(r *room) {
 		}
 		return
 	}
-	var wg sync.WaitGroup
-	limit := make(chan struct{}, maxCloseLeaves)
+	var g errgroup.Group
+	g.SetLimit(maxCloseLeaves)
 	for i := range ids {
-		wg.Add(1)
-		limit <- struct{}{}
-		go func() {
-			defer wg.Done()
-			defer func() { <-limit }()
-			send(i)
-		}()
+		g.Go(func() error { send(i); return nil })
 	}
-	wg.Wait()
+	_ = g.Wait() // send reports nothing: a failed call stays in r.leaving, or counts as tried
 }
 
 // maxCloseLeaves is the most leave calls of one key sendLeaves has out at
