@@ -164,3 +164,117 @@ func testClose46(t *testing.T, byClose bool) {
 		assert.Empty(t, w, "abandon's leave call failing during Close: B's gone waiter in g's waiters once Close returned")
 	}
 }
+
+// cl46HoldAll holds, while hold is set, every leave call of B's on
+// subject (a script call whose fourth argument is an id and, if it has a
+// fifth, a spare token, not an acquire call's mode) until release is closed; the call is then sent and its
+// reply reported lost (it ran) if lose. held counts the calls held.
+type cl46HoldAll struct {
+	subject string
+	lose    bool // report a held call's reply lost (it ran); else pass it
+	hold    atomic.Bool
+	release chan struct{}
+	held    atomic.Int32
+}
+
+func (h *cl46HoldAll) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *cl46HoldAll) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+func (h *cl46HoldAll) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		argv, keys := leasetest.ScriptArgs(cmd)
+		if !h.hold.Load() || len(argv) < 4 || len(keys) == 0 || !strings.Contains(keys[0], "{"+h.subject+"}") {
+			return next(ctx, cmd)
+		}
+		if _, ok := argv[3].(string); !ok {
+			return next(ctx, cmd)
+		}
+		if len(argv) == 5 {
+			if _, spare := argv[4].(int64); !spare {
+				return next(ctx, cmd) // an acquire call
+			}
+		}
+		h.held.Add(1)
+		<-h.release
+		if err := next(ctx, cmd); err != nil || !h.lose {
+			return err
+		}
+		cmd.SetErr(leasetest.ErrLostRead)
+		return leasetest.ErrLostRead
+	}
+}
+
+// TestReviewClose46ConcurrentCloseShortCtx: B has k gone waiters on f
+// whose leave calls failed (an error Redis answers), held by its keeper.
+// Redis then answers, but every leave call after Close is held at the
+// hook. Two Closes are called at once: one whose context ends 300 ms on,
+// one with 20 s. Checks: the short one returns, with its context's
+// error, before the held calls are let go (it returns within its
+// context); the held calls then run, their replies passed (controls) or
+// lost (the reply of a call Redis ran, as on a network glitch); the long
+// Close returns, each id's leave call was tried a bounded number of times
+// after Close (at most 2), no gone waiter stands in Redis, and no
+// goroutine of package lease is left 2 s after. Runs: k = 16 with
+// replies lost, and k = 24 with replies passed (controls); k = 24 with
+// replies lost: the first 16 calls' lost replies open the engine's
+// breaker, and the other 8 calls are refused unsent and dropped.
+func TestReviewClose46ConcurrentCloseShortCtx(t *testing.T) {
+	const ttl, poll = 3 * time.Second, 100 * time.Millisecond
+	for _, tc := range []struct {
+		k    int
+		lose bool
+	}{{16, true}, {24, false}, {24, true}, {16, true}, {24, false}, {24, true}} {
+		k := tc.k
+		ctx := context.Background()
+		e := leasetest.NewEnv(t)
+		h := newCl45Hook()
+		hold := &cl46HoldAll{subject: "f", lose: tc.lose, release: make(chan struct{})}
+		eng := leasetest.Direct(t, e, time.Second, h, hold)
+		a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+		require.NoError(t, err)
+		require.NoError(t, b.Load(ctx))
+		first, err := a.Acquire(ctx, "f")
+		require.NoError(t, err)
+		actx, cancel := context.WithCancel(ctx)
+		got := make(chan wt45Got, k)
+		for i := 0; i < k; i++ {
+			wt45Acquire(actx, e, b, "b", "f", got)
+			e.Queued(t, "f", int64(i+1))
+		}
+		h.mode.Store(1)
+		cancel()
+		for i := 0; i < k; i++ {
+			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, context.Canceled)
+		}
+		time.Sleep(2 * poll) // a keeper round has failed them again
+		h.mode.Store(0)
+		hold.hold.Store(true)
+		h.closing.Store(true)
+		short, long := make(chan error, 1), make(chan error, 1)
+		sctx, scancel := context.WithTimeout(ctx, 300*time.Millisecond)
+		lctx, lcancel := context.WithTimeout(ctx, 20*time.Second)
+		go func() { short <- b.Close(sctx) }()
+		go func() { long <- b.Close(lctx) }()
+		serr := sp45Wait(t, short, "the short Close")
+		require.ErrorIs(t, serr, context.DeadlineExceeded, "the short Close, its context ended while leave calls were held")
+		heldAt := hold.held.Load()
+		close(hold.release)
+		require.NoError(t, sp45Wait(t, long, "the long Close"))
+		left := cl45Standing(e, []string{"f"})
+		_, after, ran := h.snapshot()
+		maxAfter := 0
+		for _, n := range after {
+			maxAfter = max(maxAfter, n)
+		}
+		t.Logf("k %d, replies lost %v: %d leave calls held when the short Close returned; per-id calls after Close max %d, ids whose reply came back %d of %d; standing %v", k, tc.lose, heldAt, maxAfter, len(ran), k, left)
+		require.LessOrEqual(t, maxAfter, 2, "leave calls of one id after Close")
+		assert.Empty(t, left, "k %d, replies lost %v: B's gone waiters standing in Redis once Close returned", k, tc.lose)
+		require.NoError(t, first.Release(ctx))
+		require.NoError(t, a.Close(ctx))
+		scancel()
+		lcancel()
+		leasetest.Settled(t, 2*time.Second)
+	}
+}
