@@ -278,3 +278,81 @@ func TestReviewClose46ConcurrentCloseShortCtx(t *testing.T) {
 		leasetest.Settled(t, 2*time.Second)
 	}
 }
+
+// TestReviewClose46ManyKeysLatency: B, over a proxy adding 40 ms each
+// way, has W = 18 gone waiters on each of K = 4 keys (more than the 16 a
+// key sendLeaves has out at once), whose leave calls failed (an error
+// Redis answers); then Redis answers and B's Close is called. Control in
+// the same run: K = W = 1, and K = 1, W = 18 (Close's times are logged,
+// not judged: the calls share the client's pool, whose dials pay the
+// proxy's latency). Checks: every id's leave call is tried at most twice
+// after Close; none
+// of B's gone waiters stands in Redis once Close returned; no goroutine
+// of package lease is left 2 s after.
+func TestReviewClose46ManyKeysLatency(t *testing.T) {
+	const ttl, poll = 5 * time.Second, 100 * time.Millisecond
+	run := func(t *testing.T, nk, w int) time.Duration {
+		ctx := context.Background()
+		e := leasetest.NewEnv(t)
+		h := newCl45Hook()
+		px, eng := leasetest.Proxied(t, e, 2*time.Second, nil, h)
+		a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
+		require.NoError(t, err)
+		require.NoError(t, b.Load(ctx))
+		px.SetLatency(40 * time.Millisecond)
+		var keys []string
+		var firsts []*lease.Lease
+		actx, cancel := context.WithCancel(ctx)
+		got := make(chan wt45Got, nk*w)
+		for i := 0; i < nk; i++ {
+			key := "m" + string(rune('a'+i))
+			keys = append(keys, key)
+			f, err := a.Acquire(ctx, key)
+			require.NoError(t, err)
+			firsts = append(firsts, f)
+			for j := 0; j < w; j++ {
+				wt45Acquire(actx, e, b, "b", key, got)
+			}
+		}
+		for _, key := range keys {
+			e.Queued(t, key, int64(w))
+		}
+		h.mode.Store(1)
+		cancel()
+		for i := 0; i < nk*w; i++ {
+			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, context.Canceled)
+		}
+		time.Sleep(3 * poll)
+		h.mode.Store(0)
+		h.closing.Store(true)
+		cctx, ccancel := context.WithTimeout(ctx, 20*time.Second)
+		defer ccancel()
+		t0 := time.Now()
+		require.NoError(t, b.Close(cctx))
+		took := time.Since(t0)
+		left := cl45Standing(e, keys)
+		_, after, _ := h.snapshot()
+		maxAfter := 0
+		for _, n := range after {
+			maxAfter = max(maxAfter, n)
+		}
+		t.Logf("K %d, W %d: Close took %v; ids tried after Close %d, most calls of one id %d; standing %d", nk, w, took, len(after), maxAfter, len(left))
+		assert.LessOrEqual(t, maxAfter, 2, "leave calls of one id after Close")
+		assert.Empty(t, left, "B's gone waiters standing in Redis once Close returned")
+		for _, f := range firsts {
+			require.NoError(t, f.Release(ctx))
+		}
+		require.NoError(t, a.Close(ctx))
+		leasetest.Settled(t, 2*time.Second)
+		return took
+	}
+	for round := 0; round < 2; round++ {
+		ctl := run(t, 1, 1)
+		one := run(t, 1, 18)
+		took := run(t, 4, 18)
+		// Not asserted: 72 calls share the client's pool (dials through
+		// the proxy pay its latency too); logged for the report.
+		t.Logf("Close: K=W=1 %v, K=1 W=18 %v, K=4 W=18 %v", ctl, one, took)
+	}
+}
