@@ -119,7 +119,12 @@ type docEnv struct {
 
 func newDocEnv(t *testing.T, opts ...throttle.Option) *docEnv {
 	t.Helper()
-	srv := redistest.Shared(t)
+	return newDocEnvOn(t, redistest.Shared(t), opts...)
+}
+
+// newDocEnvOn is newDocEnv on srv.
+func newDocEnvOn(t *testing.T, srv *redistest.Server, opts ...throttle.Option) *docEnv {
+	t.Helper()
 	srv.RequireReal(t)
 	e := &docEnv{srv: srv, rdb: srv.Client(t), prefix: redistest.Prefix(t), calls: new(docCounter)}
 	o := srv.Options()
@@ -744,7 +749,7 @@ func TestReviewDOCLayeredKeys(t *testing.T) {
 // TestReviewDOCScriptFlush: "Scripts are sent again after a restart or
 // SCRIPT FLUSH without the caller seeing NOSCRIPT" (README).
 func TestReviewDOCScriptFlush(t *testing.T) {
-	e := newDocEnv(t)
+	e := newDocEnvOn(t, redistest.Start(t)) // its own: the shared one refuses SCRIPT FLUSH
 	lim := e.limiter(t, "api", throttle.PerSecond(100, 10))
 	ctx := context.Background()
 	require.NoError(t, lim.Acquire(ctx, "k"))

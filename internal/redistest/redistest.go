@@ -211,7 +211,21 @@ func start(sharedServer bool) (*Server, error) {
 		fmt.Fprintln(os.Stderr, "redistest: redis-server not on PATH; using embedded miniredis (tests needing a real server skip)")
 		return &Server{Addr: m.Addr(), mini: m}, nil
 	}
-	return startReal(path, 0)
+	s, err := startReal(path, 0)
+	if err != nil || !sharedServer {
+		return s, err
+	}
+	// The shared server refuses SCRIPT FLUSH, FLUSHALL and FLUSHDB: a test
+	// that flushed it would make other tests' calls go twice (NOSCRIPT,
+	// then EVAL) or lose their keys, now and then, by timing. Such a test
+	// starts a server of its own (Start); here it fails at once, NOPERM.
+	c := redis.NewClient(s.Options())
+	defer c.Close()
+	if err := c.Do(context.Background(), "ACL", "SETUSER", "default", "-script|flush", "-flushall", "-flushdb").Err(); err != nil {
+		s.Stop()
+		return nil, fmt.Errorf("shared redis-server: ACL SETUSER: %w", err)
+	}
+	return s, nil
 }
 
 // startReal starts redis-server on port (0: a free one) and waits until it
