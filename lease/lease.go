@@ -508,6 +508,17 @@ func (s *Semaphore) handOut(ctx context.Context, l *Lease, start time.Time) (*Le
 // their Release is then a no-op) and no longer extended, and Close waits
 // for the goroutines that extend leases and wake waiters, or for ctx to
 // end. It returns the errors of the releases. Close is idempotent.
+//
+// Before it returns, the leave call of every waiter that has gone (given
+// up, or ended by Close) is sent: those out when Close begins are waited
+// for, and one that fails is sent once more. A call the engine's open
+// breaker refuses unsent is sent from the breaker's next probe on; only
+// if that round reaches no Redis either (Redis away) is it dropped, and
+// Redis then drops its waiter within the TTL. So where a breaker open at
+// Close, or opened by this round's own lost replies, refuses calls, Close
+// waits for its probes: one probe interval (up to throttle.DefaultProbeMax)
+// once a probe succeeds, and while replies are still lost, a probe's
+// round trip and interval for each call refused. ctx bounds the wait.
 func (s *Semaphore) Close(ctx context.Context) error {
 	s.mu.Lock()
 	if !s.closed {

@@ -34,6 +34,9 @@ type room struct {
 	// wake-up too old to time its lease by (see deliver), and the keep
 	// call reports the grant with the time Redis has left on it.
 	check bool
+	// idle counts the leave rounds after Close in a row none of whose
+	// calls reached Redis (see sendLeaves).
+	idle int
 }
 
 // A gone waiter is one that may still stand in Redis, for its leave call.
@@ -46,6 +49,11 @@ type gone struct {
 	// having put the waiter back in the queue).
 	spare int64
 	seq   uint64 // tells this entry from one that replaced it while its call was out
+	// out marks the leave call its waiter's giving up (abandon) sends
+	// itself, while it is out: the keeper does not send it, and the entry
+	// keeps the room, and so its keeper, which Close waits for. If it
+	// fails, out is cleared and the keeper sends it again.
+	out bool
 }
 
 // A waiter is one Acquire call. A grant moves it from its room's waiters to
@@ -193,7 +201,10 @@ func (s *Semaphore) deliver(key string, gs []grant) {
 
 // abandon takes w out of its room: a caller that gives up, or a TryAcquire
 // that found no room. If leave, it then tells Redis, so that w leaves the
-// queue and a lease granted to it meanwhile is given back.
+// queue and a lease granted to it meanwhile is given back. The call is
+// its room's leaving entry while it is out (see gone.out): Close waits
+// for it, and if it fails the keeper sends it again, as it does the other
+// gone waiters' (once more after Close: helper-137).
 func (s *Semaphore) abandon(key string, w *waiter, leave bool) {
 	s.mu.Lock()
 	r := s.rooms[key] // nil only if w's lease was granted and then found lapsed
@@ -212,30 +223,44 @@ func (s *Semaphore) abandon(key string, w *waiter, leave bool) {
 		}
 		leave = true
 	}
-	s.mu.Unlock()
 	if !leave {
+		s.mu.Unlock()
 		return
 	}
+	if r == nil && !s.closed {
+		r = s.roomLocked(key)
+	}
+	// After Close a room w's waiter no longer keeps (its lease found
+	// lapsed) gets no keeper: the call goes alone, not sent again.
+	var seq uint64
+	if r != nil {
+		s.leavingLocked(r, w.id, 0)
+		g := r.leaving[w.id]
+		g.out = true
+		r.leaving[w.id] = g
+		seq = g.seq
+	}
+	s.mu.Unlock()
 	ctx, cancel := s.detach(context.Background())
-	defer cancel()
-	if _, err := s.run(ctx, leaveScript, key, w.id); err != nil {
-		s.retryLeave(key, w.id)
-	}
-}
-
-// retryLeave hands the leave call of the gone waiter id, which failed
-// (Redis unreachable, the engine's breaker open, a lost reply), to key's
-// keeper, which sends it again every poll interval until it succeeds or
-// the TTL has passed: by then Redis has dropped the waiter, unrefreshed,
-// and any lease granted to it, unextended. After Close it is not sent
-// again.
-func (s *Semaphore) retryLeave(key, id string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
+	_, err := s.run(ctx, leaveScript, key, w.id)
+	cancel()
+	if r == nil {
 		return
 	}
-	s.leavingLocked(s.roomLocked(key), id, 0)
+	s.mu.Lock()
+	if g, ok := r.leaving[w.id]; ok && g.seq == seq {
+		if err == nil {
+			delete(r.leaving, w.id)
+		} else {
+			g.out = false // the keeper's to send again
+			r.leaving[w.id] = g
+		}
+	}
+	s.mu.Unlock()
+	select { // the keeper waits for it after Close, or sends it again
+	case r.wake <- struct{}{}:
+	default:
+	}
 }
 
 // leavingLocked adds id to r's leaving, to leave the lease with token
@@ -253,47 +278,62 @@ func (s *Semaphore) leavingLocked(r *room, id string, spare int64) {
 	}
 }
 
-// sendLeaves sends the leave call of each of r's gone waiters, dropping
-// those it succeeds for and those past their time; after Close, every
-// one is tried once (an entry asked for again while its call was out,
-// once more), side by side: one by one, a call whose reply was lost would
-// open the engine's breaker and have the others refused unsent
-// (helper-123), leaving their waiters in the queue for a TTL. Calls that
-// an engine's breaker open at Close refuses are not sent again (a known
-// limit: helper-124's TestReviewClose45BreakerOpenAtClose); their waiters
-// leave Redis's queue within the TTL, unrefreshed. So, not yet mended
-// (helper-137's review_close46_test.go, under the build tag
-// slotbook_known_limits), are the calls refused once this round's own
-// lost replies (16 at once) have opened the breaker, and a waiter's own
-// leave call (abandon's) that fails while Close is under way: retryLeave
-// drops it once the Semaphore is closed.
-func (s *Semaphore) sendLeaves(r *room) {
+// sendLeaves sends the leave call of each of r's gone waiters (but those
+// whose own call is out, see gone.out), dropping those it succeeds for and
+// those past their time. After Close, each is tried until its call
+// reaches Redis (an entry asked for again while its call was out, once
+// more), side by side: one by one, a call whose reply was lost would open
+// the engine's breaker and have the others refused unsent (helper-123),
+// leaving their waiters in the queue for a TTL. A call the open breaker
+// refuses unsent does not count as tried: it waits for the breaker's
+// next probe (again reports that some wait; the keeper waits for the
+// probe), so that the calls this round's own lost replies refuse are sent
+// all the same, one a probe, and so are those an engine's breaker open at
+// Close refuses, once Redis answers a probe (helper-137). Only when a
+// second round in a row reaches no Redis at all (Redis away, a probe
+// failed too) are the calls refused dropped: their waiters leave Redis's
+// queue within the TTL, unrefreshed.
+func (s *Semaphore) sendLeaves(r *room) (again bool) {
 	s.mu.Lock()
 	closed := s.closed
 	ids := make([]string, 0, len(r.leaving))
 	sent := make([]gone, 0, len(r.leaving))
 	for id, g := range r.leaving {
-		if time.Now().After(g.until) {
+		switch {
+		case g.out:
+		case time.Now().After(g.until):
 			delete(r.leaving, id)
-		} else {
+		default:
 			ids = append(ids, id)
 			sent = append(sent, g)
 		}
 	}
 	s.mu.Unlock()
+	if len(ids) == 0 {
+		return false
+	}
+	var reached, refused bool // guarded by s.mu
 	send := func(i int) {
 		ctx, cancel := s.detach(context.Background())
 		_, err := s.run(ctx, leaveScript, r.key, ids[i], sent[i].spare)
 		cancel()
+		unsent := notSent(err)
 		s.mu.Lock()
+		reached = reached || !unsent
 		// An entry that replaced this one while the call was out (a
 		// leave asked for again, perhaps without the spare token: see
 		// leavingLocked) is sent at the next round, after Close too
 		// (helper-122, helper-123). A failed call counts as tried only
-		// in a round that began after Close: one that failed before, its
-		// reply coming after Close began, is tried again (helper-124).
-		if g, ok := r.leaving[ids[i]]; ok && g.seq == sent[i].seq && (err == nil || closed) {
-			delete(r.leaving, ids[i])
+		// in a round that began after Close (one that failed before, its
+		// reply coming after Close began, is tried again: helper-124),
+		// and only if it reached Redis.
+		if g, ok := r.leaving[ids[i]]; ok && g.seq == sent[i].seq {
+			switch {
+			case err == nil || closed && !unsent:
+				delete(r.leaving, ids[i])
+			case closed:
+				refused = true
+			}
 		}
 		s.mu.Unlock()
 	}
@@ -301,14 +341,52 @@ func (s *Semaphore) sendLeaves(r *room) {
 		for i := range ids {
 			send(i)
 		}
-		return
+	} else {
+		var g errgroup.Group
+		g.SetLimit(maxCloseLeaves)
+		for i := range ids {
+			g.Go(func() error { send(i); return nil })
+		}
+		_ = g.Wait() // send reports nothing: a failed call stays in r.leaving, or counts as tried
 	}
-	var g errgroup.Group
-	g.SetLimit(maxCloseLeaves)
-	for i := range ids {
-		g.Go(func() error { send(i); return nil })
+	if !closed {
+		return false
 	}
-	_ = g.Wait() // send reports nothing: a failed call stays in r.leaving, or counts as tried
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if reached {
+		r.idle = 0
+	} else {
+		r.idle++
+	}
+	if !refused || r.idle < 2 {
+		return refused
+	}
+	for i, id := range ids { // a second round that reached no Redis
+		if g, ok := r.leaving[id]; ok && g.seq == sent[i].seq {
+			delete(r.leaving, id)
+		}
+	}
+	return false
+}
+
+// sendableLocked reports whether r has a gone waiter whose leave call the
+// keeper is to send (not one whose own call is out). s.mu is held.
+func (r *room) sendableLocked() bool {
+	for _, g := range r.leaving {
+		if !g.out {
+			return true
+		}
+	}
+	return false
+}
+
+// notSent reports whether a lease call's err shows it never reached Redis:
+// refused by the engine's open breaker, no connection to be had, or a
+// server that cannot serve (see throttle.ErrUnavailable); a lost reply
+// may have run.
+func notSent(err error) bool {
+	return errors.Is(err, throttle.ErrUnavailable) && !errors.Is(err, throttle.ErrReplyLost)
 }
 
 // maxCloseLeaves is the most leave calls of one key sendLeaves has out at
@@ -343,7 +421,9 @@ func (s *Semaphore) keep(r *room) {
 		waiting := r.waitingLocked()
 		r.blocking = waiting && s.blpop != nil && s.waker == nil && !s.closed && !fresh
 		block := r.blocking
-		leaving, closed := len(r.leaving) > 0, s.closed
+		// A leave call out for its waiter (abandon's) is not the keeper's
+		// to send, nor to poll sooner for.
+		leaving, closed := r.sendableLocked(), s.closed
 		kick := waiting && s.waker != nil && !closed && s.wakerNeedLocked(r)
 		s.mu.Unlock()
 
@@ -351,7 +431,13 @@ func (s *Semaphore) keep(r *room) {
 			s.kick()
 		}
 		if leaving && closed {
-			s.sendLeaves(r) // once
+			if s.sendLeaves(r) {
+				// Some were refused by the open breaker: from its next
+				// probe on (one of them is the probe).
+				if open, in := s.eng.UnavailableFor(context.Background(), s.holdersKey(r.key)); open {
+					time.Sleep(in)
+				}
+			}
 			continue
 		}
 		interval := s.ttl / 3
@@ -603,7 +689,7 @@ func (s *Semaphore) keepCall(r *room) error {
 				}
 			}
 		case w.lease == nil || !w.lease.released && r.holds[w.id] == nil:
-			// Gone while the call was out (also after Close: tried once),
+			// Gone while the call was out (also after Close: see sendLeaves),
 			// or granted and found lapsed meanwhile: lapseLocked's own
 			// leave call may have been sent, or dropped, before this call
 			// reached Redis and put the waiter back in the queue

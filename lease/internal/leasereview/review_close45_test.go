@@ -313,9 +313,9 @@ func TestReviewClose45ManyKeys(t *testing.T) {
 // breaker after Close a defect (their waiters stand in the queue for a
 // TTL). Checks: every pending leave call reaches Redis after Close began,
 // and once Close has returned none of B's waiters stands in Redis.
-// Control, same run: Close called once the breaker has closed. A known
-// limit: the breaker-open case fails only under the build tag
-// slotbook_known_limits, and is logged otherwise.
+// Control, same run: Close called once the breaker has closed. It was a
+// known limit (failing only under the build tag slotbook_known_limits)
+// until stop 47: Close now sends such calls from the breaker's next probe.
 func TestReviewClose45BreakerOpenAtClose(t *testing.T) {
 	const ttl, poll, k = 3 * time.Second, 100 * time.Millisecond, 6
 	run := func(t *testing.T, waitClosed bool) (int, []string) {
@@ -355,12 +355,6 @@ func TestReviewClose45BreakerOpenAtClose(t *testing.T) {
 		assert.Equal(t, k, n, "control: leave calls Redis ran")
 		assert.Empty(t, left, "control: B's waiters standing once Close returned")
 		n, left = run(t, false)
-		if !knownLimits {
-			// A known limit (sendLeaves' doc): logged, not failed, unless
-			// under the build tag slotbook_known_limits.
-			t.Logf("known limit: breaker open at Close: Redis ran %d of %d leave calls; standing once Close returned: %v", n, k, left)
-			continue
-		}
 		assert.Equal(t, k, n, "breaker open at Close: leave calls Redis ran")
 		assert.Empty(t, left, "breaker open at Close: B's gone waiters standing in Redis once Close returned")
 	}
