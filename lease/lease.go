@@ -518,7 +518,10 @@ func (s *Semaphore) handOut(ctx context.Context, l *Lease, start time.Time) (*Le
 // Close, or opened by this round's own lost replies, refuses calls, Close
 // waits for its probes: one probe interval (up to throttle.DefaultProbeMax)
 // once a probe succeeds, and while replies are still lost, a probe's
-// round trip and interval for each call refused. ctx bounds the wait.
+// round trip and interval for each call refused, up to the TTL (a call
+// not sent by then is dropped: Redis has dropped its waiter). ctx bounds
+// the wait; the leave calls go on after Close has returned with ctx's
+// error, for the TTL at most.
 func (s *Semaphore) Close(ctx context.Context) error {
 	s.mu.Lock()
 	if !s.closed {

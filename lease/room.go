@@ -34,6 +34,10 @@ type room struct {
 	// wake-up too old to time its lease by (see deliver), and the keep
 	// call reports the grant with the time Redis has left on it.
 	check bool
+	// out counts the leave calls out that gone waiters send themselves
+	// (abandon's): the room, and so its keeper, which Close waits for,
+	// stays while they are, to send again those that fail.
+	out int
 	// idle counts the leave rounds after Close in a row none of whose
 	// calls reached Redis (see sendLeaves).
 	idle int
@@ -49,11 +53,6 @@ type gone struct {
 	// having put the waiter back in the queue).
 	spare int64
 	seq   uint64 // tells this entry from one that replaced it while its call was out
-	// out marks the leave call its waiter's giving up (abandon) sends
-	// itself, while it is out: the keeper does not send it, and the entry
-	// keeps the room, and so its keeper, which Close waits for. If it
-	// fails, out is cleared and the keeper sends it again.
-	out bool
 }
 
 // A waiter is one Acquire call. A grant moves it from its room's waiters to
@@ -201,10 +200,13 @@ func (s *Semaphore) deliver(key string, gs []grant) {
 
 // abandon takes w out of its room: a caller that gives up, or a TryAcquire
 // that found no room. If leave, it then tells Redis, so that w leaves the
-// queue and a lease granted to it meanwhile is given back. The call is
-// its room's leaving entry while it is out (see gone.out): Close waits
-// for it, and if it fails the keeper sends it again, as it does the other
-// gone waiters' (once more after Close: helper-137).
+// queue and a lease granted to it meanwhile is given back. While the call
+// is out it keeps the room (room.out): Close waits for it, and if it
+// fails (Redis unreachable, the engine's breaker open, a lost reply) the
+// room's keeper sends it again every poll interval until it succeeds or
+// the TTL has passed (by then Redis has dropped the waiter, unrefreshed,
+// and any lease granted to it, unextended), and after Close once more
+// (see sendLeaves): helper-137.
 func (s *Semaphore) abandon(key string, w *waiter, leave bool) {
 	s.mu.Lock()
 	r := s.rooms[key] // nil only if w's lease was granted and then found lapsed
@@ -230,15 +232,10 @@ func (s *Semaphore) abandon(key string, w *waiter, leave bool) {
 	if r == nil && !s.closed {
 		r = s.roomLocked(key)
 	}
-	// After Close a room w's waiter no longer keeps (its lease found
-	// lapsed) gets no keeper: the call goes alone, not sent again.
-	var seq uint64
+	// After Close, a room its lease found lapsed has left gets no keeper:
+	// the call goes alone, and is not sent again.
 	if r != nil {
-		s.leavingLocked(r, w.id, 0)
-		g := r.leaving[w.id]
-		g.out = true
-		r.leaving[w.id] = g
-		seq = g.seq
+		r.out++
 	}
 	s.mu.Unlock()
 	ctx, cancel := s.detach(context.Background())
@@ -248,19 +245,16 @@ func (s *Semaphore) abandon(key string, w *waiter, leave bool) {
 		return
 	}
 	s.mu.Lock()
-	if g, ok := r.leaving[w.id]; ok && g.seq == seq {
-		if err == nil {
-			delete(r.leaving, w.id)
-		} else {
-			g.out = false // the keeper's to send again
-			r.leaving[w.id] = g
+	r.out--
+	if err != nil {
+		s.leavingLocked(r, w.id, 0) // wakes the keeper
+	} else if r.out == 0 {
+		select { // the room may be empty now
+		case r.wake <- struct{}{}:
+		default:
 		}
 	}
 	s.mu.Unlock()
-	select { // the keeper waits for it after Close, or sends it again
-	case r.wake <- struct{}{}:
-	default:
-	}
 }
 
 // leavingLocked adds id to r's leaving, to leave the lease with token
@@ -278,9 +272,8 @@ func (s *Semaphore) leavingLocked(r *room, id string, spare int64) {
 	}
 }
 
-// sendLeaves sends the leave call of each of r's gone waiters (but those
-// whose own call is out, see gone.out), dropping those it succeeds for and
-// those past their time. After Close, each is tried until its call
+// sendLeaves sends the leave call of each of r's gone waiters, dropping
+// those it succeeds for and those past their time. After Close, each is tried until its call
 // reaches Redis (an entry asked for again while its call was out, once
 // more), side by side: one by one, a call whose reply was lost would open
 // the engine's breaker and have the others refused unsent (helper-123),
@@ -299,11 +292,9 @@ func (s *Semaphore) sendLeaves(r *room) (again bool) {
 	ids := make([]string, 0, len(r.leaving))
 	sent := make([]gone, 0, len(r.leaving))
 	for id, g := range r.leaving {
-		switch {
-		case g.out:
-		case time.Now().After(g.until):
+		if time.Now().After(g.until) {
 			delete(r.leaving, id)
-		default:
+		} else {
 			ids = append(ids, id)
 			sent = append(sent, g)
 		}
@@ -370,17 +361,6 @@ func (s *Semaphore) sendLeaves(r *room) (again bool) {
 	return false
 }
 
-// sendableLocked reports whether r has a gone waiter whose leave call the
-// keeper is to send (not one whose own call is out). s.mu is held.
-func (r *room) sendableLocked() bool {
-	for _, g := range r.leaving {
-		if !g.out {
-			return true
-		}
-	}
-	return false
-}
-
 // notSent reports whether a lease call's err shows it never reached Redis:
 // refused by the engine's open breaker, no connection to be had, or a
 // server that cannot serve (see throttle.ErrUnavailable); a lost reply
@@ -408,7 +388,7 @@ func (s *Semaphore) keep(r *room) {
 	wakeList := s.eng.Prefix() + s.wakeList(r.key)
 	for {
 		s.mu.Lock()
-		if len(r.waiters) == 0 && len(r.holds) == 0 && len(r.leaving) == 0 {
+		if len(r.waiters) == 0 && len(r.holds) == 0 && len(r.leaving) == 0 && r.out == 0 {
 			delete(s.rooms, r.key)
 			s.mu.Unlock()
 			return
@@ -421,9 +401,7 @@ func (s *Semaphore) keep(r *room) {
 		waiting := r.waitingLocked()
 		r.blocking = waiting && s.blpop != nil && s.waker == nil && !s.closed && !fresh
 		block := r.blocking
-		// A leave call out for its waiter (abandon's) is not the keeper's
-		// to send, nor to poll sooner for.
-		leaving, closed := r.sendableLocked(), s.closed
+		leaving, closed := len(r.leaving) > 0, s.closed
 		kick := waiting && s.waker != nil && !closed && s.wakerNeedLocked(r)
 		s.mu.Unlock()
 

@@ -220,7 +220,12 @@ func (h *cl46HoldAll) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 // replies lost: the first 16 calls' lost replies open the engine's
 // breaker, and the other 8 calls are refused unsent and dropped.
 func TestReviewClose46ConcurrentCloseShortCtx(t *testing.T) {
-	const ttl, poll = 3 * time.Second, 100 * time.Millisecond
+	// A TTL well above Close's rounds: with every reply lost, the calls
+	// the breaker refuses go one probe at a time, the probes' interval
+	// doubling (about 2 s for 8), and an entry past its TTL is dropped
+	// unsent (Redis has dropped its waiter: lazily, so the raw state read
+	// here would still show it).
+	const ttl, poll = 10 * time.Second, 100 * time.Millisecond
 	for _, tc := range []struct {
 		k    int
 		lose bool
@@ -256,19 +261,21 @@ func TestReviewClose46ConcurrentCloseShortCtx(t *testing.T) {
 		sctx, scancel := context.WithTimeout(ctx, 300*time.Millisecond)
 		lctx, lcancel := context.WithTimeout(ctx, 20*time.Second)
 		go func() { short <- b.Close(sctx) }()
+		closeAt := time.Now()
 		go func() { long <- b.Close(lctx) }()
 		serr := sp45Wait(t, short, "the short Close")
 		require.ErrorIs(t, serr, context.DeadlineExceeded, "the short Close, its context ended while leave calls were held")
 		heldAt := hold.held.Load()
 		close(hold.release)
 		require.NoError(t, sp45Wait(t, long, "the long Close"))
+		took := time.Since(closeAt)
 		left := cl45Standing(e, []string{"f"})
 		_, after, ran := h.snapshot()
 		maxAfter := 0
 		for _, n := range after {
 			maxAfter = max(maxAfter, n)
 		}
-		t.Logf("k %d, replies lost %v: %d leave calls held when the short Close returned; per-id calls after Close max %d, ids whose reply came back %d of %d; standing %v", k, tc.lose, heldAt, maxAfter, len(ran), k, left)
+		t.Logf("k %d, replies lost %v: %d leave calls held when the short Close returned; the long Close took %v; per-id calls after Close max %d, ids whose reply came back %d of %d; standing %v", k, tc.lose, heldAt, took, maxAfter, len(ran), k, left)
 		require.LessOrEqual(t, maxAfter, 2, "leave calls of one id after Close")
 		assert.Empty(t, left, "k %d, replies lost %v: B's gone waiters standing in Redis once Close returned", k, tc.lose)
 		require.NoError(t, first.Release(ctx))
