@@ -94,6 +94,10 @@ type Semaphore struct {
 	typed  typedBlocker
 	quit   chan struct{}
 	keeper sync.WaitGroup // the rooms' keepers
+	// giveUp is closed once every Close call under way has returned with
+	// its context's error: the keepers then drop the leave calls they
+	// still owe rather than wait for the breaker's probes (see sendLeaves).
+	giveUp chan struct{}
 
 	mu    sync.Mutex       // guards the fields below, and every room and Lease
 	rooms map[string]*room // by key: the keys this process holds or waits for
@@ -101,6 +105,14 @@ type Semaphore struct {
 	// leaveSeq numbers the rooms' leaving entries (see gone).
 	leaveSeq uint64
 	closed   bool
+	// closers counts the Close calls waiting for the keepers; gaveUp is
+	// set once giveUp is closed.
+	closers int
+	gaveUp  bool
+	// away counts the leave rounds after Close in a row, over every
+	// room, that found Redis away: a call was let through and reached no
+	// Redis, none reached it, and the breaker is open (see sendLeaves).
+	away int
 }
 
 // blocker is what the wake-up needs of the go-redis clients (Client,
@@ -189,7 +201,7 @@ func New(eng *throttle.Engine, name string, n int, opts ...Option) (*Semaphore, 
 	}
 	s := &Semaphore{
 		eng: eng, name: name, n: n, ttl: DefaultTTL, obs: nopObserver{},
-		proc: hex.EncodeToString(id[:]), quit: make(chan struct{}), rooms: make(map[string]*room),
+		proc: hex.EncodeToString(id[:]), quit: make(chan struct{}), giveUp: make(chan struct{}), rooms: make(map[string]*room),
 	}
 	for _, opt := range opts {
 		if err := opt(s); err != nil {
@@ -511,17 +523,14 @@ func (s *Semaphore) handOut(ctx context.Context, l *Lease, start time.Time) (*Le
 //
 // Before it returns, the leave call of every waiter that has gone (given
 // up, or ended by Close) is sent: those out when Close begins are waited
-// for, and one that fails is sent once more. A call the engine's open
-// breaker refuses unsent is sent from the breaker's next probe on; only
-// if that round reaches no Redis either (Redis away) is it dropped, and
-// Redis then drops its waiter within the TTL. So where a breaker open at
-// Close, or opened by this round's own lost replies, refuses calls, Close
-// waits for its probes: one probe interval (up to throttle.DefaultProbeMax)
-// once a probe succeeds, and while replies are still lost, a probe's
-// round trip and interval for each call refused, up to the TTL (a call
-// not sent by then is dropped: Redis has dropped its waiter). ctx bounds
-// the wait; the leave calls go on after Close has returned with ctx's
-// error, for the TTL at most.
+// for, and one that fails is sent once more. After Close they go side by
+// side, past the engine's breaker (an open breaker does not refuse
+// them); one that reaches no Redis is sent again, until it reaches Redis
+// or its waiter's TTL has passed (Redis has then dropped the waiter).
+// Only when Redis is away (two rounds reach none of it, the breaker open)
+// are they dropped, and Redis drops their waiters within the TTL. ctx
+// bounds the wait: once every Close under way has returned with its ctx's
+// error, the calls still owed are dropped, and the keepers end.
 func (s *Semaphore) Close(ctx context.Context) error {
 	s.mu.Lock()
 	if !s.closed {
@@ -562,6 +571,9 @@ func (s *Semaphore) Close(ctx context.Context) error {
 		})
 	}
 	wg.Wait()
+	s.mu.Lock()
+	s.closers++
+	s.mu.Unlock()
 	stopped := make(chan struct{})
 	go func() { s.keeper.Wait(); close(stopped) }()
 	select {
@@ -569,6 +581,15 @@ func (s *Semaphore) Close(ctx context.Context) error {
 	case <-ctx.Done():
 		errs = append(errs, ctx.Err())
 	}
+	s.mu.Lock()
+	s.closers--
+	if s.closers == 0 && !s.gaveUp && ctx.Err() != nil {
+		// No Close waits any more: the keepers drop what they owe and
+		// end, rather than run on for up to the TTL.
+		s.gaveUp = true
+		close(s.giveUp)
+	}
+	s.mu.Unlock()
 	return errors.Join(errs...)
 }
 
@@ -602,9 +623,21 @@ type grant struct {
 // ones, hands the grants it reports to their waiters, and reports the
 // lapsed leases it swept.
 func (s *Semaphore) run(ctx context.Context, script *throttle.Script, key string, args ...any) (reply, error) {
+	return s.runCall(ctx, false, script, key, args...)
+}
+
+// runCall is run; if past, the engine's open breaker does not refuse the
+// call (RunScriptPastBreaker: the leave calls after Close).
+func (s *Semaphore) runCall(ctx context.Context, past bool, script *throttle.Script, key string, args ...any) (reply, error) {
 	all := append([]any{s.proc, s.n, s.ttl.Microseconds()}, args...)
 	sent := time.Now()
-	raw, err := s.eng.RunScript(ctx, script, s.keys(key), all...)
+	var raw any
+	var err error
+	if past {
+		raw, err = s.eng.RunScriptPastBreaker(ctx, script, s.keys(key), all...)
+	} else {
+		raw, err = s.eng.RunScript(ctx, script, s.keys(key), all...)
+	}
 	if err != nil {
 		return reply{}, err
 	}

@@ -38,9 +38,6 @@ type room struct {
 	// (abandon's): the room, and so its keeper, which Close waits for,
 	// stays while they are, to send again those that fail.
 	out int
-	// idle counts the leave rounds after Close in a row none of whose
-	// calls reached Redis (see sendLeaves).
-	idle int
 }
 
 // A gone waiter is one that may still stand in Redis, for its leave call.
@@ -279,18 +276,19 @@ func (s *Semaphore) leavingLocked(r *room, id string, spare int64) {
 // trip each: 0.9 s for 18 at 40 ms each way, helper-137).
 //
 // After Close, each is tried until its call reaches Redis (an entry asked
-// for again while its call was out, once more), side by side: one by
-// one, a call whose reply was lost would open the engine's breaker and
-// have the others refused unsent (helper-123), leaving their waiters in
-// the queue for a TTL. A call that reached no Redis (the open breaker
-// refused it, say) does not count as tried: again reports that some wait,
-// and the keeper sends them from the breaker's next probe on, one of them
-// the probe. So the calls this round's own lost replies refuse are sent
-// all the same, and so are those an engine's breaker open at Close
-// refuses, once Redis answers a probe (helper-137). Only when a second
-// round in a row reaches no Redis at all (Redis away: a probe failed
-// too) are they dropped: their waiters leave Redis's queue within the
-// TTL, unrefreshed.
+// for again while its call was out, once more), side by side and past
+// the engine's breaker (RunScriptPastBreaker): one by one, or through an
+// open breaker, a call whose reply was lost would have the others refused
+// unsent (helper-123, helper-137), and so would another caller's probe
+// (helper-134), leaving their waiters in the queue for a TTL. A call that
+// reached no Redis (a refused dial, no connection in time) does not count
+// as tried: again reports that some are owed, and the keeper sends them
+// again a probe interval on. A round none of whose calls reached Redis,
+// the breaker open after it, says Redis is away; after two such rounds
+// in a row over the Semaphore's rooms, with no call reaching Redis
+// between them, or once every Close under way has given up (its ctx
+// ended: giveUp), the calls owed are dropped: their waiters leave Redis's
+// queue within the TTL, unrefreshed.
 func (s *Semaphore) sendLeaves(r *room) (again bool) {
 	s.mu.Lock()
 	closed := s.closed
@@ -308,10 +306,17 @@ func (s *Semaphore) sendLeaves(r *room) (again bool) {
 	if len(ids) == 0 {
 		return false
 	}
-	var reached, refused bool // guarded by s.mu
+	var reached, refused bool          // guarded by s.mu: a call reached Redis; one reached none, and is owed again
+	issued := make([]uint64, len(ids)) // s.leaveSeq as each call went
 	send := func(i int) {
+		s.mu.Lock()
+		issued[i] = s.leaveSeq
+		s.mu.Unlock()
 		ctx, cancel := s.detach(context.Background())
-		_, err := s.run(ctx, leaveScript, r.key, ids[i], sent[i].spare)
+		// After Close, past an open breaker: one lost reply must not have
+		// the others refused unsent, nor another caller's probe hold
+		// them back (helper-123, helper-137, helper-134).
+		_, err := s.runCall(ctx, closed, leaveScript, r.key, ids[i], sent[i].spare)
 		cancel()
 		unsent := notSent(err)
 		s.mu.Lock()
@@ -319,11 +324,12 @@ func (s *Semaphore) sendLeaves(r *room) (again bool) {
 		// An entry that replaced this one while the call was out (a
 		// leave asked for again, perhaps without the spare token: see
 		// leavingLocked) is sent at the next round, after Close too
-		// (helper-122, helper-123). A failed call counts as tried only
-		// in a round that began after Close (one that failed before, its
-		// reply coming after Close began, is tried again: helper-124),
-		// and only if it reached Redis.
-		if g, ok := r.leaving[ids[i]]; ok && g.seq == sent[i].seq {
+		// (helper-122, helper-123); one that replaced it before the call
+		// went is the call's (see covers). A failed call counts as tried
+		// only in a round that began after Close (one that failed
+		// before, its reply coming after Close began, is tried again:
+		// helper-124), and only if it reached Redis.
+		if g, ok := r.leaving[ids[i]]; ok && covers(g, sent[i], issued[i]) {
 			switch {
 			case err == nil || closed && !unsent:
 				delete(r.leaving, ids[i])
@@ -351,22 +357,42 @@ func (s *Semaphore) sendLeaves(r *room) (again bool) {
 	if !closed {
 		return false
 	}
+	// A round none of whose calls reached Redis says it is away if the
+	// engine's breaker is open after it; a client too busy to send them
+	// (no connection in time) leaves it closed.
+	open := false
+	if refused && !reached {
+		open, _ = s.eng.UnavailableFor(context.Background(), s.holdersKey(r.key))
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if reached {
-		r.idle = 0
-	} else {
-		r.idle++
+	switch {
+	case reached:
+		s.away = 0
+	case open:
+		s.away++
 	}
-	if !refused || r.idle < 2 {
+	if !refused || s.away < 2 && !s.gaveUp {
 		return refused
 	}
-	for i, id := range ids { // a second round that reached no Redis
-		if g, ok := r.leaving[id]; ok && g.seq == sent[i].seq {
+	for i, id := range ids { // Redis away twice in a row, or Close gave up
+		if g, ok := r.leaving[id]; ok && covers(g, sent[i], issued[i]) {
 			delete(r.leaving, id)
 		}
 	}
 	return false
+}
+
+// covers reports whether a leave call sent for entry sent, when entries up
+// to number issued had been asked for, stands for g, the id's entry now:
+// g is sent, or replaced it before the call went (asked for again by a
+// keep reply, or by abandon's failed call, while sent waited in its
+// round), and the call spares no lease g does not. The call, which ran
+// after whatever asked for g, then does all g asks: sending g too would
+// be a second leave of the same waiter (Close45ManyKeys saw 9 to 26 of
+// 500 waiters left twice on a busy machine).
+func covers(g, sent gone, issued uint64) bool {
+	return g.seq == sent.seq || g.seq <= issued && (sent.spare == 0 || sent.spare == g.spare)
 }
 
 // isClosed reports whether Close has begun.
@@ -425,10 +451,17 @@ func (s *Semaphore) keep(r *room) {
 		}
 		if leaving && closed {
 			if s.sendLeaves(r) {
-				// Some were refused by the open breaker: from its next
-				// probe on (one of them is the probe).
+				// Some reached no Redis: again a probe interval on,
+				// unless Close gives up.
+				d := throttle.DefaultProbeMin
 				if open, in := s.eng.UnavailableFor(context.Background(), s.holdersKey(r.key)); open {
-					time.Sleep(in)
+					d = max(in, time.Millisecond)
+				}
+				t := time.NewTimer(d)
+				select {
+				case <-t.C:
+				case <-s.giveUp:
+					t.Stop()
 				}
 			}
 			continue

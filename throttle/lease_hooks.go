@@ -33,6 +33,23 @@ func (e *Engine) RunScript(ctx context.Context, s *Script, keys []string, args .
 	return e.runReply(ctx, s.s, keys, args)
 }
 
+// RunScriptPastBreaker is RunScript for a call its caller must get to
+// Redis, and bounds itself (package lease's leave calls after Close, each
+// sent once side by side): the node's open breaker does not refuse it.
+// It is not the breaker's probe, unless it comes when one is due; Redis's
+// answer, or a failure, is told to the breaker as any call's (an answer
+// closes it).
+func (e *Engine) RunScriptPastBreaker(ctx context.Context, s *Script, keys []string, args ...any) (any, error) {
+	return e.RunScript(context.WithValue(ctx, pastBreakerKey{}, true), s, keys, args...)
+}
+
+// pastBreakerKey marks the context of a call of RunScriptPastBreaker.
+type pastBreakerKey struct{}
+
+// pastBreaker reports whether ctx is a RunScriptPastBreaker call's: read
+// only once the breaker has refused the call, off the hot path.
+func pastBreaker(ctx context.Context) bool { return ctx.Value(pastBreakerKey{}) != nil }
+
 // HoldConn is for a blocking command of another package on key (package
 // lease's BLPOP wake-ups), sent on the engine's client: it takes one of
 // the connection tokens of key's node, which the engine's calls take too,

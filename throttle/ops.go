@@ -667,7 +667,7 @@ func (e *Engine) take(ctx context.Context, key, lbl string) (turn, error) {
 	if e.cluster != nil && !cached {
 		now = time.Now() // the lookup may have read the cluster's slot map
 	}
-	if !ok {
+	if !ok && !pastBreaker(ctx) {
 		return turn{}, errBreakerOpen
 	}
 	if gate := ref.gate; gate != nil {
@@ -690,7 +690,7 @@ func (e *Engine) take(ctx context.Context, key, lbl string) (turn, error) {
 			// token back): look again, so that calls queued for a
 			// connection do not go to a dead node one pool's worth at a
 			// time, each paying the timeout. An atomic load while closed.
-			if ok, probe = e.breakers.allowB(ref.b); !ok {
+			if ok, probe = e.breakers.allowB(ref.b); !ok && !pastBreaker(ctx) {
 				<-gate
 				return turn{}, errBreakerOpen
 			}

@@ -278,15 +278,15 @@ func TestReviewClose45ManyKeys(t *testing.T) {
 		}
 		t.Logf("K = %d, W = %d: Close took %v; ids by leave calls Redis ran %v; most calls of one id after Close began %d; C: %d calls during Close, slowest %v, error %v; B's standing once Close returned: %d",
 			nk, nw, r.took, perID, maxAfter, r.cCalls, r.cMax, r.cErr, len(left))
-		// Every id's leave call reaches Redis. Twice is let pass: on a
-		// machine starved enough (two suites and more beside this one),
-		// one run had the ten waiters of one key left by calls Redis ran
-		// twice, both after Close began; the library's view of the first
-		// was not recorded, and a second leave of a gone waiter changes
-		// nothing in Redis. More would be a keeper sending again and
-		// again, which TestReviewClose45NoSpin also rules out.
+		// Every id's leave call reaches Redis, once. On a busy machine,
+		// until stop 47, some ids' were run twice: a keeper round's call
+		// went after the id's entry had been replaced (abandon's call
+		// failing while the round waited), and the replacement was sent
+		// again (9 to 26 of 500 ids in 2 of 24 rounds of three runs side
+		// by side; 0 of 24 since the call covers a replacement made
+		// before it went: see lease's covers).
 		for n, ids := range perID {
-			assert.True(t, n == 1 || n == 2 && ids <= nw, "%d of %d ids by leave calls Redis ran %d times (want every id once, at most one key's twice)", ids, nk*nw, n)
+			assert.Equal(t, 1, n, "%d of %d ids by leave calls Redis ran %d times (want every id once)", ids, nk*nw, n)
 		}
 		assert.Empty(t, left, "B's gone waiters standing in Redis once Close returned")
 		assert.NoError(t, r.cErr, "C's calls during B's Close")
