@@ -18,7 +18,6 @@ package leasereview_test
 import (
 	"context"
 	"fmt"
-	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -201,33 +200,6 @@ func TestReviewClose47BreakerProbeShared(t *testing.T) {
 	leasetest.Settled(t, 2*time.Second)
 }
 
-// cl47LeaseGoroutines counts goroutines running code of package lease
-// (as leasetest.Settled does).
-func cl47LeaseGoroutines() int {
-	buf := make([]byte, 4<<20)
-	buf = buf[:runtime.Stack(buf, true)]
-	n := 0
-	for _, g := range strings.Split(string(buf), "\n\n") {
-		if strings.Contains(g, "slotbook/slotbook/lease.") {
-			n++
-		}
-	}
-	return n
-}
-
-// cl47SettleTime polls until no goroutine of package lease is left, for at
-// most within, and returns how long that took (within if never).
-func cl47SettleTime(within time.Duration) time.Duration {
-	start := time.Now()
-	for cl47LeaseGoroutines() != 0 {
-		if time.Since(start) > within {
-			return within
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	return time.Since(start)
-}
-
 // cl47Hold is a hook that, while on, lets no reply of B's lease script
 // calls come back: the call is sent, runs, and its reply is reported lost
 // (a stopped or blackholed Redis, seen from the client, but for the
@@ -308,7 +280,7 @@ func TestReviewClose47RepliesLostAtClose(t *testing.T) {
 		// must not count.
 		require.NoError(t, first.Release(ctx))
 		require.NoError(t, a.Close(ctx))
-		settle = took + cl47SettleTime(30*time.Second)
+		settle = took + leasetest.SettleTime(30*time.Second)
 		for i := 0; i < k; i++ {
 			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, lease.ErrClosed)
 		}
@@ -394,7 +366,7 @@ func TestReviewClose47RedisAway(t *testing.T) {
 		if stalled {
 			px.Close() // the calls held end: a stalled link cut at last
 		}
-		settle = cl47SettleTime(30 * time.Second)
+		settle = leasetest.SettleTime(30 * time.Second)
 		for i := 0; i < k; i++ {
 			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, lease.ErrClosed)
 		}

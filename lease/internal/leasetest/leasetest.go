@@ -193,6 +193,19 @@ func leaseGoroutines() int {
 	return n
 }
 
+// SettleTime polls until no goroutine of package lease is left, for at
+// most within, and returns how long that took (within if never).
+func SettleTime(within time.Duration) time.Duration {
+	start := time.Now()
+	for leaseGoroutines() != 0 {
+		if time.Since(start) > within {
+			return within
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return time.Since(start)
+}
+
 // Settled polls until no goroutine of package lease is left, or within
 // has passed.
 func Settled(t *testing.T, within time.Duration) {
