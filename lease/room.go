@@ -231,8 +231,10 @@ func (s *Semaphore) abandon(key string, w *waiter, leave bool) {
 	}
 	// After Close, a room its lease found lapsed has left gets no keeper:
 	// the call goes alone, and is not sent again.
+	var issued uint64 // s.leaveSeq as the call went
 	if r != nil {
 		r.out++
+		issued = s.leaveSeq
 	}
 	s.mu.Unlock()
 	ctx, cancel := s.detach(context.Background())
@@ -243,7 +245,10 @@ func (s *Semaphore) abandon(key string, w *waiter, leave bool) {
 	}
 	s.mu.Lock()
 	r.out--
-	if err != nil {
+	if g, ok := r.leaving[w.id]; err != nil && (!ok || g.seq <= issued || g.spare != 0) {
+		// Sent again by the keeper; unless an entry asked for since
+		// this call went, without a token, is to go or out: its call,
+		// later than this one, does what this one was to do.
 		s.leavingLocked(r, w.id, 0) // wakes the keeper
 	} else if r.out == 0 {
 		select { // the room may be empty now
