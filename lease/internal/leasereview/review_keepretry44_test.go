@@ -34,6 +34,7 @@ type kr44Call struct {
 	ids  []string      // the held ids, then the waiters'
 	held int
 	err  error
+	lost bool // it ran in Redis, and the hook reported its reply lost
 }
 
 // kr44Hook logs every keep call that reaches A's client (calls the
@@ -91,6 +92,7 @@ func (h *kr44Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 			time.Sleep(time.Until(t0.Add(wait)))
 			err = leasetest.ErrLostRead
 			cmd.SetErr(err)
+			c.lost = true
 		case mode == "slow":
 			time.Sleep(time.Until(t0.Add(wait)))
 		}
@@ -403,7 +405,11 @@ func TestReviewKeepRetry44SlowRedis(t *testing.T) {
 			if c.err != nil {
 				ph.failed++
 			}
-			if prev, ok := last[c.key]; ok && prev.err != nil && c.at-prev.at < poll/4 {
+			// Only a call known to have run counts: on a busy machine a
+			// call can also miss the engine's 50 ms timeout waiting for a
+			// connection, reaching no Redis, and is then rightly tried
+			// again from the breaker's next probe (seen: 2 such of 201).
+			if prev, ok := last[c.key]; ok && prev.lost && c.at-prev.at < poll/4 {
 				ph.quickAfterFailure++
 			}
 			last[c.key] = c

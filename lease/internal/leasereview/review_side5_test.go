@@ -390,7 +390,10 @@ func rv5Latency(t *testing.T, bursts bool) {
 	// plus a dial on a cold pool (4 round trips of 80 ms: 6 ErrReplyLost
 	// and a breaker open for a while in the first 400 ms otherwise).
 	for _, s := range sems {
-		require.NoError(t, s.Load(ctx))
+		// Again until it loads: on a busy machine the first load over a
+		// cold pool (a dial, HELLO and the scripts, 80 ms each) missed
+		// the engine's 400 ms once (beside a whole suite).
+		redistest.UntilOK(t, func() error { return s.Load(ctx) })
 	}
 	slowMu.Lock()
 	slow = nil
