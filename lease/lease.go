@@ -94,10 +94,6 @@ type Semaphore struct {
 	typed  typedBlocker
 	quit   chan struct{}
 	keeper sync.WaitGroup // the rooms' keepers
-	// giveUp is closed once every Close call under way has returned with
-	// its context's error: the keepers then drop the leave calls they
-	// still owe rather than wait for the breaker's probes (see sendLeaves).
-	giveUp chan struct{}
 
 	mu    sync.Mutex       // guards the fields below, and every room and Lease
 	rooms map[string]*room // by key: the keys this process holds or waits for
@@ -105,10 +101,13 @@ type Semaphore struct {
 	// leaveSeq numbers the rooms' leaving entries (see gone).
 	leaveSeq uint64
 	closed   bool
-	// closers counts the Close calls waiting for the keepers; gaveUp is
-	// set once giveUp is closed.
+	// closers counts the Close calls under way. giveUp is closed, and
+	// gaveUp set, once every one has returned with its context's error:
+	// the keepers then drop the leave calls they still owe (see
+	// sendLeaves); a Close called after makes a new giveUp.
 	closers int
 	gaveUp  bool
+	giveUp  chan struct{}
 	// away counts the leave rounds after Close in a row, over every
 	// room, that found Redis away: a call was let through and reached no
 	// Redis, none reached it, and the breaker is open (see sendLeaves).
@@ -524,15 +523,20 @@ func (s *Semaphore) handOut(ctx context.Context, l *Lease, start time.Time) (*Le
 // Before it returns, the leave call of every waiter that has gone (given
 // up, or ended by Close) is sent: those out when Close begins are waited
 // for, and one that fails is sent once more. After Close they go side by
-// side, past the engine's breaker (an open breaker does not refuse
-// them); one that reaches no Redis is sent again, until it reaches Redis
-// or its waiter's TTL has passed (Redis has then dropped the waiter).
-// Only when Redis is away (two rounds reach none of it, the breaker open)
-// are they dropped, and Redis drops their waiters within the TTL. ctx
-// bounds the wait: once every Close under way has returned with its ctx's
-// error, the calls still owed are dropped, and the keepers end.
+// side, and past the engine's breaker while it is open (one at a time);
+// one that reaches no Redis is sent again, until it reaches Redis or its
+// waiter's TTL has passed (Redis has then dropped the waiter). Only when
+// Redis is away (two rounds in a row reach none of it, a call let by the
+// breaker failing, the breaker open after) are they dropped, and Redis
+// drops their waiters within the TTL. ctx bounds the wait: once every
+// Close under way has returned with its ctx's error, the calls still owed
+// are dropped, and the keepers end.
 func (s *Semaphore) Close(ctx context.Context) error {
 	s.mu.Lock()
+	s.closers++ // from the start: a Close given up meanwhile must not give up for this one (helper-135)
+	if s.gaveUp {
+		s.gaveUp, s.giveUp = false, make(chan struct{})
+	}
 	if !s.closed {
 		s.closed = true
 		close(s.quit)
@@ -571,9 +575,6 @@ func (s *Semaphore) Close(ctx context.Context) error {
 		})
 	}
 	wg.Wait()
-	s.mu.Lock()
-	s.closers++
-	s.mu.Unlock()
 	stopped := make(chan struct{})
 	go func() { s.keeper.Wait(); close(stopped) }()
 	select {

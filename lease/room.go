@@ -281,19 +281,20 @@ func (s *Semaphore) leavingLocked(r *room, id string, spare int64) {
 // trip each: 0.9 s for 18 at 40 ms each way, helper-137).
 //
 // After Close, each is tried until its call reaches Redis (an entry asked
-// for again while its call was out, once more), side by side and past
-// the engine's breaker (RunScriptPastBreaker): one by one, or through an
-// open breaker, a call whose reply was lost would have the others refused
-// unsent (helper-123, helper-137), and so would another caller's probe
-// (helper-134), leaving their waiters in the queue for a TTL. A call that
-// reached no Redis (a refused dial, no connection in time) does not count
-// as tried: again reports that some are owed, and the keeper sends them
-// again a probe interval on. A round none of whose calls reached Redis,
-// the breaker open after it, says Redis is away; after two such rounds
-// in a row over the Semaphore's rooms, with no call reaching Redis
-// between them, or once every Close under way has given up (its ctx
-// ended: giveUp), the calls owed are dropped: their waiters leave Redis's
-// queue within the TTL, unrefreshed.
+// for again while its call was out, once more), side by side, and past
+// the engine's open breaker (RunScriptPastBreaker: one such call at a
+// time): one by one, or only through the breaker, a call whose reply was
+// lost would have the others refused unsent (helper-123, helper-137), and
+// so would another caller's probe (helper-134), leaving their waiters in
+// the queue for a TTL. A call that reached no Redis (refused by the
+// breaker, a refused dial, no connection in time) does not count as
+// tried: again reports that some are owed, and the keeper sends them
+// again a moment on. A round none of whose calls reached Redis, one of
+// them let by the breaker and the breaker open after, says Redis is away;
+// after two such rounds in a row over the Semaphore's rooms, with no call
+// reaching Redis between them, or once every Close under way has given
+// up (its ctx ended: giveUp), the calls owed are dropped: their waiters
+// leave Redis's queue within the TTL, unrefreshed.
 func (s *Semaphore) sendLeaves(r *room) (again bool) {
 	s.mu.Lock()
 	closed := s.closed
@@ -311,7 +312,9 @@ func (s *Semaphore) sendLeaves(r *room) (again bool) {
 	if len(ids) == 0 {
 		return false
 	}
-	var reached, refused bool          // guarded by s.mu: a call reached Redis; one reached none, and is owed again
+	// Guarded by s.mu: a call reached Redis; one reached none, and is
+	// owed again; one the breaker let by reached none.
+	var reached, refused, through bool
 	issued := make([]uint64, len(ids)) // s.leaveSeq as each call went
 	send := func(i int) {
 		s.mu.Lock()
@@ -326,6 +329,7 @@ func (s *Semaphore) sendLeaves(r *room) (again bool) {
 		unsent := notSent(err)
 		s.mu.Lock()
 		reached = reached || !unsent
+		through = through || unsent && !errors.Is(err, throttle.ErrBreakerOpen)
 		// An entry that replaced this one while the call was out (a
 		// leave asked for again, perhaps without the spare token: see
 		// leavingLocked) is sent at the next round, after Close too
@@ -362,11 +366,13 @@ func (s *Semaphore) sendLeaves(r *room) (again bool) {
 	if !closed {
 		return false
 	}
-	// A round none of whose calls reached Redis says it is away if the
-	// engine's breaker is open after it; a client too busy to send them
-	// (no connection in time) leaves it closed.
+	// A round none of whose calls reached Redis says it is away if one
+	// was let by the breaker (the others it refused say nothing: another
+	// call was out past it, or the probe: helper-134) and the breaker is
+	// open after it; a client too busy to send them (no connection in
+	// time) leaves it closed.
 	open := false
-	if refused && !reached {
+	if through && !reached {
 		open, _ = s.eng.UnavailableFor(context.Background(), s.holdersKey(r.key))
 	}
 	s.mu.Lock()
@@ -408,11 +414,13 @@ func (s *Semaphore) isClosed() bool {
 }
 
 // notSent reports whether a lease call's err shows it never reached Redis:
-// refused by the engine's open breaker, no connection to be had, or a
-// server that cannot serve (see throttle.ErrUnavailable); a lost reply
-// may have run.
+// refused by the engine's open breaker, no connection to be had, a server
+// that cannot serve (see throttle.ErrUnavailable), or its bound (detach)
+// ended before it was written, waiting for a connection (a bare context
+// error: helper-135); a lost reply may have run.
 func notSent(err error) bool {
-	return errors.Is(err, throttle.ErrUnavailable) && !errors.Is(err, throttle.ErrReplyLost)
+	return (errors.Is(err, throttle.ErrUnavailable) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)) &&
+		!errors.Is(err, throttle.ErrReplyLost)
 }
 
 // maxCloseLeaves is the most leave calls of one key sendLeaves has out at
@@ -456,16 +464,15 @@ func (s *Semaphore) keep(r *room) {
 		}
 		if leaving && closed {
 			if s.sendLeaves(r) {
-				// Some reached no Redis: again a probe interval on,
-				// unless Close gives up.
-				d := throttle.DefaultProbeMin
-				if open, in := s.eng.UnavailableFor(context.Background(), s.holdersKey(r.key)); open {
-					d = max(in, time.Millisecond)
-				}
-				t := time.NewTimer(d)
+				// Some reached no Redis: again a moment on, unless
+				// Close gives up.
+				s.mu.Lock()
+				giveUp := s.giveUp
+				s.mu.Unlock()
+				t := time.NewTimer(throttle.DefaultProbeMin)
 				select {
 				case <-t.C:
-				case <-s.giveUp:
+				case <-giveUp:
 					t.Stop()
 				}
 			}

@@ -58,6 +58,12 @@ type breaker struct {
 	// open is written under breakers.mu and read without it on the fast
 	// path; a reader that sees it set takes the lock to act on it.
 	open atomic.Bool
+	// past is set while a call of RunScriptPastBreaker is out that the
+	// open breaker let by: one at a time, so that, Redis stopped, such
+	// calls do not fail the client's dials one after another (go-redis
+	// then fails every new dial at once, a probe's too, until a dial of
+	// its own succeeds, up to a second after Redis is back: helper-135).
+	past atomic.Bool
 	// lastSuccess is when the last call to the node succeeded, in
 	// monotonic nanoseconds (see monoNow), or 0.
 	lastSuccess atomic.Int64

@@ -46,6 +46,8 @@
 //	                          paused server, CLIENT PAUSE), broken ErrReplyLost
 //	                          connection while reading the reply:
 //	                          the script may have run
+//	breaker open              refused at once, sent nowhere (see   ErrUnavailable +     stays open
+//	                          below)                               ErrBreakerOpen
 //	client saturated          the client's own pool had no         ErrUnavailable       unchanged
 //	                          connection in time: a pool timeout,
 //	                          or the timeout passed while the call

@@ -35,10 +35,11 @@ func (e *Engine) RunScript(ctx context.Context, s *Script, keys []string, args .
 
 // RunScriptPastBreaker is RunScript for a call its caller must get to
 // Redis, and bounds itself (package lease's leave calls after Close, each
-// sent once side by side): the node's open breaker does not refuse it.
-// It is not the breaker's probe, unless it comes when one is due; Redis's
-// answer, or a failure, is told to the breaker as any call's (an answer
-// closes it).
+// sent once side by side): the node's open breaker lets it by, one such
+// call at a time (another that comes while one is out is refused, as
+// RunScript's would be). It is not the breaker's probe, unless it comes
+// when one is due; Redis's answer, or a failure, is told to the breaker
+// as any call's (an answer closes it).
 func (e *Engine) RunScriptPastBreaker(ctx context.Context, s *Script, keys []string, args ...any) (any, error) {
 	return e.RunScript(context.WithValue(ctx, pastBreakerKey{}, true), s, keys, args...)
 }

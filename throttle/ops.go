@@ -630,13 +630,18 @@ func (e *Engine) runCmd(ctx context.Context, s *script, keys []string, a []any) 
 type turn struct {
 	ref   *nodeRef
 	probe bool
+	past  bool // a call of RunScriptPastBreaker the open breaker let by: see breaker.past
 	start time.Time
 }
 
-// release gives back t's connection token, if it holds one.
+// release gives back t's connection token, if it holds one, and its
+// place past the breaker.
 func (t turn) release() {
 	if t.ref.gate != nil {
 		<-t.ref.gate
+	}
+	if t.past {
+		t.ref.b.past.Store(false)
 	}
 }
 
@@ -667,8 +672,11 @@ func (e *Engine) take(ctx context.Context, key, lbl string) (turn, error) {
 	if e.cluster != nil && !cached {
 		now = time.Now() // the lookup may have read the cluster's slot map
 	}
-	if !ok && !pastBreaker(ctx) {
-		return turn{}, errBreakerOpen
+	past := false
+	if !ok {
+		if past = pastBreaker(ctx) && ref.b.past.CompareAndSwap(false, true); !past {
+			return turn{}, errBreakerOpen
+		}
 	}
 	if gate := ref.gate; gate != nil {
 		select {
@@ -680,23 +688,28 @@ func (e *Engine) take(ctx context.Context, key, lbl string) (turn, error) {
 				if probe {
 					e.breakers.abandonB(ref.b)
 				}
+				if past {
+					ref.b.past.Store(false)
+				}
 				return turn{}, ctx.Err()
 			}
 			now = time.Now()
 		}
-		if !probe {
+		if !probe && !past {
 			// The breaker may have opened while this call queued, or
 			// since it looked (a call ahead of it timed out and gave its
 			// token back): look again, so that calls queued for a
 			// connection do not go to a dead node one pool's worth at a
 			// time, each paying the timeout. An atomic load while closed.
-			if ok, probe = e.breakers.allowB(ref.b); !ok && !pastBreaker(ctx) {
-				<-gate
-				return turn{}, errBreakerOpen
+			if ok, probe = e.breakers.allowB(ref.b); !ok {
+				if past = pastBreaker(ctx) && ref.b.past.CompareAndSwap(false, true); !past {
+					<-gate
+					return turn{}, errBreakerOpen
+				}
 			}
 		}
 	}
-	return turn{ref: ref, probe: probe, start: now}, nil
+	return turn{ref: ref, probe: probe, past: past, start: now}, nil
 }
 
 // exec runs s on the prefixed keys full in turn t, within the timeout, and
@@ -771,8 +784,15 @@ func callerEnded(ctx, callCtx context.Context) error {
 // probeTimeouts is how many timeouts a probe of an open breaker may take.
 const probeTimeouts = 4
 
+// ErrBreakerOpen is matched, with ErrUnavailable, by the error of a call
+// the node's open breaker refused at once, sent nowhere: an earlier call
+// found Redis unavailable, and another call is the probe (or past the
+// breaker: RunScriptPastBreaker), or the next probe is not due. Unlike a
+// call that was let through and failed, it says nothing new of Redis.
+var ErrBreakerOpen = errors.New("breaker open: failing fast until a probe succeeds")
+
 // errBreakerOpen is the error of a call refused at once by the open breaker.
-var errBreakerOpen = fmt.Errorf("%w (failing fast until a probe succeeds)", ErrUnavailable)
+var errBreakerOpen = fmt.Errorf("%w (%w)", ErrUnavailable, ErrBreakerOpen)
 
 // classify tells node's breaker what err says of it (see verdict), and
 // returns err as the caller should see it. key is the call's first
