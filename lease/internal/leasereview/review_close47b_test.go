@@ -12,7 +12,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -179,27 +178,6 @@ func TestReviewClose47bSecondCloseGivesUpForFirst(t *testing.T) {
 	leasetest.Settled(t, ttl/3+2*time.Second)
 }
 
-// c47bSettle polls until no goroutine of package lease is left (as
-// leasetest.Settled counts them), for at most within, and returns how
-// long that took (within if never).
-func c47bSettle(within time.Duration) time.Duration {
-	start := time.Now()
-	for {
-		buf := make([]byte, 4<<20)
-		buf = buf[:runtime.Stack(buf, true)]
-		n := 0
-		for _, g := range strings.Split(string(buf), "\n\n") {
-			if strings.Contains(g, "slotbook/slotbook/lease.") {
-				n++
-			}
-		}
-		if n == 0 || time.Since(start) > within {
-			return min(time.Since(start), within)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 // c47bStanding returns the ids in key's queue and waiters sets, and its
 // holders, under prefix (Semaphore partner).
 func c47bStanding(rdb *redis.Client, prefix string, keys []string) (q, w, h int) {
@@ -287,7 +265,7 @@ func TestReviewClose47bPausedAtClose(t *testing.T) {
 				t.Fatal("an Acquire of B's did not return within 10 s of Close")
 			}
 		}
-		settle := c47bSettle(10 * time.Second)
+		settle := leasetest.SettleTime(10 * time.Second)
 		require.NoError(t, syscall.Kill(pid, syscall.SIGCONT))
 		resumed = true
 		back := time.Now()
