@@ -530,7 +530,8 @@ func (s *Semaphore) handOut(ctx context.Context, l *Lease, start time.Time) (*Le
 // breaker failing, the breaker open after) are they dropped, and Redis
 // drops their waiters within the TTL. ctx bounds the wait: once every
 // Close under way has returned with its ctx's error, the calls still owed
-// are dropped, and the keepers end.
+// are dropped, and the keepers end. A Close called after that (a retry)
+// does not send them again: Redis drops those waiters within the TTL.
 func (s *Semaphore) Close(ctx context.Context) error {
 	s.mu.Lock()
 	s.closers++ // from the start: a Close given up meanwhile must not give up for this one (helper-135)

@@ -673,10 +673,15 @@ func (e *Engine) take(ctx context.Context, key, lbl string) (turn, error) {
 		now = time.Now() // the lookup may have read the cluster's slot map
 	}
 	past := false
-	if !ok {
+	switch {
+	case !ok:
 		if past = pastBreaker(ctx) && ref.b.past.CompareAndSwap(false, true); !past {
 			return turn{}, errBreakerOpen
 		}
+	case probe && pastBreaker(ctx):
+		// The probe, a call past the breaker: it holds the place past it
+		// too, so that no second such call goes beside it (helper-136).
+		past = ref.b.past.CompareAndSwap(false, true)
 	}
 	if gate := ref.gate; gate != nil {
 		select {
@@ -701,11 +706,14 @@ func (e *Engine) take(ctx context.Context, key, lbl string) (turn, error) {
 			// token back): look again, so that calls queued for a
 			// connection do not go to a dead node one pool's worth at a
 			// time, each paying the timeout. An atomic load while closed.
-			if ok, probe = e.breakers.allowB(ref.b); !ok {
+			switch ok, probe = e.breakers.allowB(ref.b); {
+			case !ok:
 				if past = pastBreaker(ctx) && ref.b.past.CompareAndSwap(false, true); !past {
 					<-gate
 					return turn{}, errBreakerOpen
 				}
+			case probe && pastBreaker(ctx):
+				past = ref.b.past.CompareAndSwap(false, true)
 			}
 		}
 	}

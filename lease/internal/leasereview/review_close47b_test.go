@@ -701,7 +701,7 @@ func TestReviewClose47bStoppedCloseLocksOutClient(t *testing.T) {
 	run := func(t *testing.T, waiters bool, before time.Duration) (took, recovered time.Duration, refused int) {
 		ctx := context.Background()
 		srv := redistest.Start(t)
-		eng, err := throttle.New(srv.Client(t), throttle.WithPrefix(redistest.Prefix(t)))
+		eng, err := throttle.New(srv.Client(t), throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(time.Second)) // not 50 ms: the set-up's Acquires timed out on a busy machine
 		require.NoError(t, err)
 		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		require.NoError(t, err)
