@@ -124,6 +124,7 @@ func TestReviewClose47bSecondCloseGivesUpForFirst(t *testing.T) {
 		a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		require.NoError(t, err)
+		leasetest.CloseAtEnd(t, b)
 		require.NoError(t, b.Load(ctx))
 		first, err := a.Acquire(ctx, "gone47b")
 		require.NoError(t, err)
@@ -222,6 +223,7 @@ func TestReviewClose47bPausedAtClose(t *testing.T) {
 		require.NoError(t, err)
 		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		require.NoError(t, err)
+		leasetest.CloseAtEnd(t, b)
 		redistest.UntilOK(t, func() error { return b.Load(ctx) })
 		var keys []string
 		got := make(chan error, nk*w)
@@ -277,6 +279,7 @@ func TestReviewClose47bPausedAtClose(t *testing.T) {
 		require.NoError(t, err)
 		c, err := lease.New(eng2, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		require.NoError(t, err)
+		leasetest.CloseAtEnd(t, c)
 		var served time.Duration
 		for _, k := range keys {
 			actx, acancel := context.WithTimeout(ctx, 3*ttl)
@@ -348,6 +351,7 @@ func TestReviewClose47bCtxEndsWhileAbandonOut(t *testing.T) {
 		a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		require.NoError(t, err)
+		leasetest.CloseAtEnd(t, b)
 		require.NoError(t, b.Load(ctx))
 		first, err := a.Acquire(ctx, "gone47c")
 		require.NoError(t, err)
@@ -569,6 +573,7 @@ func c47bChurn(t *testing.T, p float64, mid bool) {
 		px.SetLatency(40 * time.Millisecond)
 		s, err := lease.New(eng, "partner", n, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		require.NoError(t, err)
+		leasetest.CloseAtEnd(t, s)
 		require.NoError(t, s.Load(ctx))
 		sems = append(sems, s)
 		lossy = append(lossy, h)
@@ -705,6 +710,7 @@ func TestReviewClose47bStoppedCloseLocksOutClient(t *testing.T) {
 		require.NoError(t, err)
 		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		require.NoError(t, err)
+		leasetest.CloseAtEnd(t, b)
 		redistest.UntilOK(t, func() error { return b.Load(ctx) })
 		got := make(chan error, nk*w)
 		for i := 0; i < nk; i++ {

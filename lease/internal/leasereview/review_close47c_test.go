@@ -47,6 +47,7 @@ func TestReviewClose47cStoppedManyKeys(t *testing.T) {
 		require.NoError(t, err)
 		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		require.NoError(t, err)
+		leasetest.CloseAtEnd(t, b)
 		redistest.UntilOK(t, func() error { return b.Load(ctx) })
 		got := make(chan error, nk*w)
 		for i := 0; i < nk; i++ {
@@ -142,6 +143,7 @@ func TestReviewClose47cManyClosesMixed(t *testing.T) {
 		a := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		require.NoError(t, err)
+		leasetest.CloseAtEnd(t, b)
 		keys := make([]string, nk)
 		var held []*lease.Lease
 		got := make(chan wt45Got, nk*w)
@@ -227,6 +229,7 @@ func TestReviewClose47cClusterStopped(t *testing.T) {
 			require.NoError(t, err)
 			b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 			require.NoError(t, err)
+			leasetest.CloseAtEnd(t, b)
 			redistest.UntilOK(t, func() error { return b.Load(ctx) })
 			got := make(chan error, nk*w)
 			for i := 0; i < nk; i++ {
@@ -307,10 +310,12 @@ func TestReviewClose47cGiveUpThenClose(t *testing.T) {
 		require.NoError(t, err)
 		a, err := lease.New(aEng, "partner", 1, lease.WithTTL(ttl))
 		require.NoError(t, err)
+		leasetest.CloseAtEnd(t, a)
 		eng, err := throttle.New(srv.Client(t), throttle.WithPrefix(prefix))
 		require.NoError(t, err)
 		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
 		require.NoError(t, err)
+		leasetest.CloseAtEnd(t, b)
 		keys := make([]string, nk)
 		got := make(chan error, nk*w)
 		for i := range keys {

@@ -193,6 +193,17 @@ func leaseGoroutines() int {
 	return n
 }
 
+// CloseAtEnd closes s when the test ends (within 5 s), so that a test that
+// fails before its own Close leaves no keeper running into the tests
+// after it (their goroutine checks would fail too). Close is idempotent.
+func CloseAtEnd(t *testing.T, s *lease.Semaphore) {
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = s.Close(ctx)
+	})
+}
+
 // SettleTime polls until no goroutine of package lease is left, for at
 // most within, and returns how long that took (within if never).
 func SettleTime(within time.Duration) time.Duration {
