@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -91,9 +92,8 @@ type Semaphore struct {
 	waker *waker
 	// typed, on a client whose ReadTimeout is short, is its own BLPop
 	// (see blpopCall); nil otherwise.
-	typed  typedBlocker
-	quit   chan struct{}
-	keeper sync.WaitGroup // the rooms' keepers
+	typed typedBlocker
+	quit  chan struct{}
 
 	mu    sync.Mutex       // guards the fields below, and every room and Lease
 	rooms map[string]*room // by key: the keys this process holds or waits for
@@ -103,11 +103,19 @@ type Semaphore struct {
 	closed   bool
 	// closers counts the Close calls under way. giveUp is closed, and
 	// gaveUp set, once every one has returned with its context's error:
-	// the keepers then drop the leave calls they still owe (see
-	// sendLeaves); a Close called after makes a new giveUp.
+	// the keepers then end, their rooms keeping the leave calls they
+	// still owe (see keep); a Close called after makes a new giveUp and
+	// starts keepers afresh to send them.
 	closers int
 	gaveUp  bool
 	giveUp  chan struct{}
+	// keepers holds the rooms' keepers and the waker, in generations: a
+	// Close called after every Close under way gave up starts keepers
+	// afresh, in a WaitGroup of their own, for the rooms that still owe
+	// leave calls (a WaitGroup whose Wait may still be returning, an
+	// earlier Close's, must not be added to). Goroutines join the last;
+	// Close waits for them all.
+	keepers []*sync.WaitGroup
 	// away counts the leave rounds after Close in a row, over every
 	// room, that found Redis away: a call was let through and reached no
 	// Redis, none reached it, and the breaker is open (see sendLeaves).
@@ -201,6 +209,7 @@ func New(eng *throttle.Engine, name string, n int, opts ...Option) (*Semaphore, 
 	s := &Semaphore{
 		eng: eng, name: name, n: n, ttl: DefaultTTL, obs: nopObserver{},
 		proc: hex.EncodeToString(id[:]), quit: make(chan struct{}), giveUp: make(chan struct{}), rooms: make(map[string]*room),
+		keepers: []*sync.WaitGroup{new(sync.WaitGroup)},
 	}
 	for _, opt := range opts {
 		if err := opt(s); err != nil {
@@ -529,14 +538,23 @@ func (s *Semaphore) handOut(ctx context.Context, l *Lease, start time.Time) (*Le
 // Redis is away (two rounds in a row reach none of it, a call let by the
 // breaker failing, the breaker open after) are they dropped, and Redis
 // drops their waiters within the TTL. ctx bounds the wait: once every
-// Close under way has returned with its ctx's error, the calls still owed
-// are dropped, and the keepers end. A Close called after that (a retry)
-// does not send them again: Redis drops those waiters within the TTL.
+// Close under way has returned with its ctx's error, the keepers end, and
+// the calls still owed wait for a Close called after (a retry), which
+// sends them as the first would have; without one, Redis drops those
+// waiters within the TTL.
 func (s *Semaphore) Close(ctx context.Context) error {
 	s.mu.Lock()
 	s.closers++ // from the start: a Close given up meanwhile must not give up for this one (helper-135)
 	if s.gaveUp {
+		// A retry of a Close that gave up: the keepers it ended, keeping
+		// what their rooms owe, start afresh and send it.
 		s.gaveUp, s.giveUp = false, make(chan struct{})
+		s.keepers = append(s.keepers, new(sync.WaitGroup))
+		for _, r := range s.rooms {
+			if !r.keeping {
+				s.keepLocked(r)
+			}
+		}
 	}
 	if !s.closed {
 		s.closed = true
@@ -577,7 +595,15 @@ func (s *Semaphore) Close(ctx context.Context) error {
 	}
 	wg.Wait()
 	stopped := make(chan struct{})
-	go func() { s.keeper.Wait(); close(stopped) }()
+	s.mu.Lock()
+	keepers := slices.Clone(s.keepers)
+	s.mu.Unlock()
+	go func() {
+		for _, wg := range keepers {
+			wg.Wait()
+		}
+		close(stopped)
+	}()
 	select {
 	case <-stopped:
 	case <-ctx.Done():
@@ -586,8 +612,8 @@ func (s *Semaphore) Close(ctx context.Context) error {
 	s.mu.Lock()
 	s.closers--
 	if s.closers == 0 && !s.gaveUp && ctx.Err() != nil {
-		// No Close waits any more: the keepers drop what they owe and
-		// end, rather than run on for up to the TTL.
+		// No Close waits any more: the keepers end, rather than run on
+		// for up to the TTL, keeping what they owe for a later Close.
 		s.gaveUp = true
 		close(s.giveUp)
 	}

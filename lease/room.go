@@ -38,6 +38,10 @@ type room struct {
 	// (abandon's): the room, and so its keeper, which Close waits for,
 	// stays while they are, to send again those that fail.
 	out int
+	// keeping is set while its keeper runs: it ends once every Close
+	// under way has given up, and the room stays with what it owes, for
+	// a later Close to start a keeper afresh.
+	keeping bool
 }
 
 // A gone waiter is one that may still stand in Redis, for its leave call.
@@ -99,10 +103,26 @@ func (s *Semaphore) roomLocked(key string) *room {
 		r = &room{key: key, waiters: make(map[string]*waiter), holds: make(map[string]*Lease),
 			wake: make(chan struct{}, 1), leaving: make(map[string]gone)}
 		s.rooms[key] = r
-		s.keeper.Add(1)
-		go s.keep(r)
+		s.keepLocked(r)
 	}
 	return r
+}
+
+// keepLocked starts r's keeper, one of the current keepers. s.mu is held.
+func (s *Semaphore) keepLocked(r *room) {
+	r.keeping = true
+	s.goLocked(func() { s.keep(r) })
+}
+
+// goLocked runs f as one of the current keepers (see Semaphore.keepers).
+// s.mu is held.
+func (s *Semaphore) goLocked(f func()) {
+	wg := s.keepers[len(s.keepers)-1]
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		f()
+	}()
 }
 
 // queued records that w's acquire call has answered without granting it a
@@ -292,10 +312,11 @@ func (s *Semaphore) leavingLocked(r *room, id string, spare int64) {
 // again a moment on. A round none of whose calls reached Redis, one of
 // them let by the breaker and the breaker open after, says Redis is away;
 // after two such rounds in a row over the Semaphore's rooms, with no call
-// reaching Redis between them, or once every Close under way has given
-// up (its ctx ended: giveUp), the calls owed are dropped (each room's at
+// reaching Redis between them, the calls owed are dropped (each room's at
 // its next round, unsent): their waiters leave Redis's queue within the
-// TTL, unrefreshed.
+// TTL, unrefreshed. Once every Close under way has given up (its ctx
+// ended: giveUp), the keeper ends and the calls owed wait for a later
+// Close (see keep).
 func (s *Semaphore) sendLeaves(r *room) (again bool) {
 	s.mu.Lock()
 	closed := s.closed
@@ -389,10 +410,10 @@ func (s *Semaphore) sendLeaves(r *room) (again bool) {
 	case open:
 		s.away++
 	}
-	if !refused || s.away < 2 && !s.gaveUp {
-		return refused
+	if !refused || s.away < 2 {
+		return refused // what is owed waits for the next round, or for a later Close if this one gave up
 	}
-	for i, id := range ids { // Redis away twice in a row, or Close gave up
+	for i, id := range ids { // Redis away twice in a row
 		if g, ok := r.leaving[id]; ok && covers(g, sent[i], issued[i]) {
 			delete(r.leaving, id)
 		}
@@ -438,7 +459,6 @@ const maxCloseLeaves = 16
 // list for the key, running the keep call (which also refreshes the
 // waiters and finds grants whose wake-up was lost) every poll interval.
 func (s *Semaphore) keep(r *room) {
-	defer s.keeper.Done()
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	last := time.Now()
@@ -450,6 +470,15 @@ func (s *Semaphore) keep(r *room) {
 		s.mu.Lock()
 		if len(r.waiters) == 0 && len(r.holds) == 0 && len(r.leaving) == 0 && r.out == 0 {
 			delete(s.rooms, r.key)
+			s.mu.Unlock()
+			return
+		}
+		if s.gaveUp {
+			// Every Close under way has given up: end, rather than
+			// run on for up to the TTL, keeping what the room owes for
+			// a Close called after (a retry), which starts a keeper
+			// afresh and sends it.
+			r.keeping = false
 			s.mu.Unlock()
 			return
 		}

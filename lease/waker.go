@@ -51,8 +51,7 @@ func (s *Semaphore) wakerNeedLocked(r *room) (kick bool) {
 	switch {
 	case !m.running:
 		m.running = true
-		s.keeper.Add(1)
-		go s.wakeLoop()
+		s.goLocked(s.wakeLoop)
 	case m.lists == nil:
 		select { // between two reads: the next one names r's list
 		case m.poke <- struct{}{}:
@@ -84,7 +83,6 @@ func (s *Semaphore) wakeList(key string) string { return s.keyBase(key) + "n:" +
 // that leaves the lease too little time, deliver asks the keeper for a
 // keep call instead, which reports the time Redis has left on it.
 func (s *Semaphore) wakeLoop() {
-	defer s.keeper.Done()
 	m := s.waker
 	for {
 		s.mu.Lock()
