@@ -147,15 +147,15 @@ func cl45Gone(t *testing.T, key string, k int, mode int32, ttl, poll time.Durati
 	first, err = a.Acquire(ctx, key)
 	require.NoError(t, err)
 	actx, cancel := context.WithCancel(ctx)
-	got := make(chan wt45Got, k)
+	got := make(chan leasetest.Got, k)
 	for i := 0; i < k; i++ {
-		wt45Acquire(actx, e, b, "b", key, got)
+		leasetest.AcquireAsync(actx, e, b, "b", key, got)
 		e.Queued(t, key, int64(i+1))
 	}
 	h.mode.Store(mode)
 	cancel()
 	for i := 0; i < k; i++ {
-		require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, context.Canceled)
+		require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
 	}
 	return e, h, eng, b, first
 }
@@ -198,10 +198,10 @@ func TestReviewClose45ManyKeys(t *testing.T) {
 			require.NoError(t, err)
 		}
 		actx, cancel := context.WithCancel(ctx)
-		got := make(chan wt45Got, nk*nw)
+		got := make(chan leasetest.Got, nk*nw)
 		for _, k := range keys {
 			for range nw {
-				wt45Acquire(actx, e, b, "b", k, got)
+				leasetest.AcquireAsync(actx, e, b, "b", k, got)
 			}
 		}
 		leasetest.WaitFor(t, func() bool {
@@ -215,7 +215,7 @@ func TestReviewClose45ManyKeys(t *testing.T) {
 		h.mode.Store(1)
 		cancel()
 		for range nk * nw {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, context.Canceled)
+			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
 		}
 		time.Sleep(2 * poll) // the keepers have tried them again, and failed
 		tries, _, _ := h.snapshot()
@@ -383,9 +383,9 @@ func TestReviewClose45NoSpin(t *testing.T) {
 	first, err := a.Acquire(ctx, "s")
 	require.NoError(t, err)
 	actx, cancel := context.WithCancel(ctx)
-	got := make(chan wt45Got, k)
+	got := make(chan leasetest.Got, k)
 	for i := 0; i < k; i++ {
-		wt45Acquire(actx, e, b, "b", "s", got)
+		leasetest.AcquireAsync(actx, e, b, "b", "s", got)
 	}
 	e.Queued(t, "s", k)
 	kh.keep.reply = make(chan struct{})
@@ -396,7 +396,7 @@ func TestReviewClose45NoSpin(t *testing.T) {
 	h.mode.Store(1)
 	cancel()
 	for i := 0; i < k; i++ {
-		require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, context.Canceled)
+		require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
 	}
 	h.closing.Store(true)
 	closed := make(chan error, 1)

@@ -243,15 +243,15 @@ func TestReviewClose46ConcurrentCloseShortCtx(t *testing.T) {
 		first, err := a.Acquire(ctx, "f")
 		require.NoError(t, err)
 		actx, cancel := context.WithCancel(ctx)
-		got := make(chan wt45Got, k)
+		got := make(chan leasetest.Got, k)
 		for i := 0; i < k; i++ {
-			wt45Acquire(actx, e, b, "b", "f", got)
+			leasetest.AcquireAsync(actx, e, b, "b", "f", got)
 			e.Queued(t, "f", int64(i+1))
 		}
 		h.mode.Store(1)
 		cancel()
 		for i := 0; i < k; i++ {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, context.Canceled)
+			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
 		}
 		time.Sleep(2 * poll) // a keeper round has failed them again
 		h.mode.Store(0)
@@ -311,7 +311,7 @@ func TestReviewClose46ManyKeysLatency(t *testing.T) {
 		var keys []string
 		var firsts []*lease.Lease
 		actx, cancel := context.WithCancel(ctx)
-		got := make(chan wt45Got, nk*w)
+		got := make(chan leasetest.Got, nk*w)
 		for i := 0; i < nk; i++ {
 			key := "m" + string(rune('a'+i))
 			keys = append(keys, key)
@@ -319,7 +319,7 @@ func TestReviewClose46ManyKeysLatency(t *testing.T) {
 			require.NoError(t, err)
 			firsts = append(firsts, f)
 			for j := 0; j < w; j++ {
-				wt45Acquire(actx, e, b, "b", key, got)
+				leasetest.AcquireAsync(actx, e, b, "b", key, got)
 			}
 		}
 		for _, key := range keys {
@@ -328,7 +328,7 @@ func TestReviewClose46ManyKeysLatency(t *testing.T) {
 		h.mode.Store(1)
 		cancel()
 		for i := 0; i < nk*w; i++ {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, context.Canceled)
+			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
 		}
 		time.Sleep(3 * poll)
 		h.mode.Store(0)

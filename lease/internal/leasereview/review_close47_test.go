@@ -79,7 +79,7 @@ func cl47Setup(t *testing.T, nk, w int, proxied bool, timeout, ttl, poll time.Du
 	require.NoError(t, b.Load(ctx))
 	sc.b = b
 	actx, cancel := context.WithCancel(ctx)
-	got := make(chan wt45Got, nk*w)
+	got := make(chan leasetest.Got, nk*w)
 	for i := 0; i < nk; i++ {
 		key := fmt.Sprint("k47-", i)
 		sc.keys = append(sc.keys, key)
@@ -87,7 +87,7 @@ func cl47Setup(t *testing.T, nk, w int, proxied bool, timeout, ttl, poll time.Du
 		require.NoError(t, err)
 		sc.firsts = append(sc.firsts, f)
 		for j := 0; j < w; j++ {
-			wt45Acquire(actx, sc.e, b, "b", key, got)
+			leasetest.AcquireAsync(actx, sc.e, b, "b", key, got)
 		}
 		// One key's waiters at a time: 768 Acquires at once, on an
 		// engine of 250 ms, timed out at its gate beside two suites, and
@@ -97,7 +97,7 @@ func cl47Setup(t *testing.T, nk, w int, proxied bool, timeout, ttl, poll time.Du
 	sc.h.mode.Store(mode)
 	cancel()
 	for i := 0; i < nk*w; i++ {
-		require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, context.Canceled)
+		require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
 	}
 	return sc
 }
@@ -267,9 +267,9 @@ func TestReviewClose47RepliesLostAtClose(t *testing.T) {
 		require.NoError(t, b.Load(ctx))
 		first, err := a.Acquire(ctx, "lost47")
 		require.NoError(t, err)
-		got := make(chan wt45Got, k)
+		got := make(chan leasetest.Got, k)
 		for i := 0; i < k; i++ {
-			wt45Acquire(ctx, e, b, "b", "lost47", got)
+			leasetest.AcquireAsync(ctx, e, b, "b", "lost47", got)
 			e.Queued(t, "lost47", int64(i+1))
 		}
 		hold.on.Store(true)
@@ -285,7 +285,7 @@ func TestReviewClose47RepliesLostAtClose(t *testing.T) {
 		require.NoError(t, a.Close(ctx))
 		settle = took + leasetest.SettleTime(30*time.Second)
 		for i := 0; i < k; i++ {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, lease.ErrClosed)
+			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, lease.ErrClosed)
 		}
 		_, after, _ := h.snapshot()
 		for _, n := range after {
@@ -345,9 +345,9 @@ func TestReviewClose47RedisAway(t *testing.T) {
 		require.NoError(t, b.Load(ctx))
 		first, err := a.Acquire(ctx, "away47")
 		require.NoError(t, err)
-		got := make(chan wt45Got, k)
+		got := make(chan leasetest.Got, k)
 		for i := 0; i < k; i++ {
-			wt45Acquire(ctx, e, b, "b", "away47", got)
+			leasetest.AcquireAsync(ctx, e, b, "b", "away47", got)
 			e.Queued(t, "away47", int64(i+1))
 		}
 		time.Sleep(200 * time.Millisecond) // the last acquire call's reply has come
@@ -372,7 +372,7 @@ func TestReviewClose47RedisAway(t *testing.T) {
 		}
 		settle = leasetest.SettleTime(30 * time.Second)
 		for i := 0; i < k; i++ {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, lease.ErrClosed)
+			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, lease.ErrClosed)
 		}
 		t.Logf("stalled %v, probe max %v, Close's ctx %v: breaker open %v, next probe in %v at Close; Close took %v, error %v; lease goroutines gone %v after",
 			stalled, probeMax, cdur, open, in, took, cerr, settle)
@@ -462,13 +462,13 @@ func TestReviewClose47GiveUpBesideHeld(t *testing.T) {
 		lb, err := b.Acquire(ctx, "gu47")
 		require.NoError(t, err)
 		actx, cancel := context.WithCancel(ctx)
-		got := make(chan wt45Got, 1)
-		wt45Acquire(actx, e, b, "b", "gu47", got)
+		got := make(chan leasetest.Got, 1)
+		leasetest.AcquireAsync(actx, e, b, "b", "gu47", got)
 		e.Queued(t, "gu47", 1)
 		time.Sleep(2 * poll)
 		cnt.on.Store(true)
 		cancel()
-		require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, context.Canceled)
+		require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
 		time.Sleep(1200 * time.Millisecond)
 		cnt.on.Store(false)
 		_, q, w := sp45State(e, "gu47")

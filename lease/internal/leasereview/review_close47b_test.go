@@ -130,9 +130,9 @@ func TestReviewClose47bSecondCloseGivesUpForFirst(t *testing.T) {
 		require.NoError(t, err)
 		_, err = b.Acquire(ctx, "rel47b")
 		require.NoError(t, err)
-		got := make(chan wt45Got, w)
+		got := make(chan leasetest.Got, w)
 		for i := 0; i < w; i++ {
-			wt45Acquire(ctx, e, b, "b", "gone47b", got)
+			leasetest.AcquireAsync(ctx, e, b, "b", "gone47b", got)
 			e.Queued(t, "gone47b", int64(i+1))
 		}
 		time.Sleep(2 * poll)
@@ -154,7 +154,7 @@ func TestReviewClose47bSecondCloseGivesUpForFirst(t *testing.T) {
 		o.longErr = <-longDone
 		o.took = time.Since(start)
 		for i := 0; i < w; i++ {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, lease.ErrClosed)
+			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, lease.ErrClosed)
 		}
 		require.False(t, h.busy.Load(), "B's client was still busy when the long Close returned")
 		o.left = cl45Standing(e, []string{"gone47b"})
@@ -361,9 +361,9 @@ func TestReviewClose47bCtxEndsWhileAbandonOut(t *testing.T) {
 		require.NoError(t, b.Load(ctx))
 		first, err := a.Acquire(ctx, "gone47c")
 		require.NoError(t, err)
-		got := make(chan wt45Got, w)
+		got := make(chan leasetest.Got, w)
 		for i := 0; i < w; i++ {
-			wt45Acquire(ctx, e, b, "b", "gone47c", got)
+			leasetest.AcquireAsync(ctx, e, b, "b", "gone47c", got)
 			e.Queued(t, "gone47c", int64(i+1))
 		}
 		time.Sleep(2 * poll)
@@ -390,7 +390,7 @@ func TestReviewClose47bCtxEndsWhileAbandonOut(t *testing.T) {
 		o.longTook = time.Since(lstart)
 		o.shortErr = <-shortDone
 		for i := 0; i < w; i++ {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, lease.ErrClosed)
+			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, lease.ErrClosed)
 		}
 		time.Sleep(time.Until(start.Add(busyFor + 100*time.Millisecond)))
 		o.left = cl45Standing(e, []string{"gone47c"})
@@ -882,20 +882,20 @@ func TestReviewClose47bOrdinaryCalls(t *testing.T) {
 			h.failLeave.Store(true)
 		}
 		actx, cancel := context.WithCancel(ctx)
-		got := make(chan wt45Got, 1)
-		wt45Acquire(actx, e, b, "b", "oc47b", got)
+		got := make(chan leasetest.Got, 1)
+		leasetest.AcquireAsync(actx, e, b, "b", "oc47b", got)
 		e.Queued(t, "oc47b", 1)
 		cancel()
-		require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, context.Canceled)
+		require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
 	}
 	e.Queued(t, "oc47b", 0)
-	got := make(chan wt45Got, 1)
-	wt45Acquire(ctx, e, b, "b", "oc47b", got)
+	got := make(chan leasetest.Got, 1)
+	leasetest.AcquireAsync(ctx, e, b, "b", "oc47b", got)
 	e.Queued(t, "oc47b", 1)
 	require.NoError(t, la.Release(ctx))
 	g := sp45Wait(t, got, "B's Acquire")
-	require.NoError(t, g.err)
-	require.NoError(t, g.l.Release(rel))
+	require.NoError(t, g.Err)
+	require.NoError(t, g.L.Release(rel))
 	time.Sleep(200 * time.Millisecond)
 	h.on.Store(false)
 	t.Logf("uncontended (20 Acquire and Release): %s", free)

@@ -153,14 +153,14 @@ func TestReviewClose47cManyClosesMixed(t *testing.T) {
 		leasetest.CloseAtEnd(t, b)
 		keys := make([]string, nk)
 		var held []*lease.Lease
-		got := make(chan wt45Got, nk*w)
+		got := make(chan leasetest.Got, nk*w)
 		for i := range keys {
 			keys[i] = fmt.Sprint("mc47c-", round, "-", i)
 			l, err := a.Acquire(ctx, keys[i])
 			require.NoError(t, err)
 			held = append(held, l)
 			for j := 0; j < w; j++ {
-				wt45Acquire(ctx, e, b, "b", keys[i], got)
+				leasetest.AcquireAsync(ctx, e, b, "b", keys[i], got)
 			}
 		}
 		for _, k := range keys {
@@ -170,7 +170,7 @@ func TestReviewClose47cManyClosesMixed(t *testing.T) {
 		start := time.Now()
 		go func() { first <- b.Close(ctx) }()
 		for range nk * w {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, lease.ErrClosed)
+			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, lease.ErrClosed)
 		}
 		var errs []chan error
 		var bg []int

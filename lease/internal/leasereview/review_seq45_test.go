@@ -69,7 +69,7 @@ func sq45CloseAbandon(t *testing.T, keepOut bool, ttl, poll time.Duration) (stri
 	id, _ := sc.leave[3].(string)
 	close(h.leave.open)
 	require.Equal(t, h.leave.fail, sp45Wait(t, h.leave.ran, "abandon's leave call"))
-	require.ErrorIs(t, sp45Wait(t, sc.got, "B's Acquire").err, context.Canceled) // retryLeave has run
+	require.ErrorIs(t, sp45Wait(t, sc.got, "B's Acquire").Err, context.Canceled) // retryLeave has run
 	closed := make(chan error, 1)
 	cctx, ccancel := context.WithTimeout(ctx, 10*time.Second)
 	defer ccancel()
@@ -159,9 +159,9 @@ func TestReviewSeq45LeaveCallsPerWaiter(t *testing.T) {
 			n = 5
 		}
 		actx, cancel := context.WithCancel(ctx)
-		got := make(chan wt45Got, n)
+		got := make(chan leasetest.Got, n)
 		for i := 0; i < n; i++ {
-			wt45Acquire(actx, e, b, "b", "n", got)
+			leasetest.AcquireAsync(actx, e, b, "b", "n", got)
 			e.Queued(t, "n", int64(i+1))
 		}
 		if how == "keep-out" {
@@ -177,7 +177,7 @@ func TestReviewSeq45LeaveCallsPerWaiter(t *testing.T) {
 		c.mu.Unlock()
 		cancel()
 		for i := 0; i < n; i++ {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, context.Canceled)
+			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
 		}
 		if how == "keep-out" {
 			close(kh.keep.reply)
@@ -293,15 +293,15 @@ func TestReviewSeq45CloseWithLeavesOut(t *testing.T) {
 		first, err := a.Acquire(ctx, "c")
 		require.NoError(t, err)
 		actx, cancel := context.WithCancel(ctx)
-		got := make(chan wt45Got, k)
+		got := make(chan leasetest.Got, k)
 		for i := 0; i < k; i++ {
-			wt45Acquire(actx, e, b, "b", "c", got)
+			leasetest.AcquireAsync(actx, e, b, "b", "c", got)
 			e.Queued(t, "c", int64(i+1))
 		}
 		c.failing.Store(true)
 		cancel()
 		for i := 0; i < k; i++ {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").err, context.Canceled)
+			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
 		}
 		c.hang.Store(true)
 		c.closing.Store(true)

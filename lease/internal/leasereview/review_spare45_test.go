@@ -226,8 +226,8 @@ func sp45Order(t *testing.T, order, mode string, withC bool, ttl, poll time.Dura
 	require.NoError(t, err)
 	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
-	got := make(chan wt45Got, 1)
-	wt45Acquire(actx, e, b, "b", "o", got)
+	got := make(chan leasetest.Got, 1)
+	leasetest.AcquireAsync(actx, e, b, "b", "o", got)
 	e.Queued(t, "o", 1)
 	var released atomic.Bool // B's Release has been called
 	type cGot struct {
@@ -262,8 +262,8 @@ func sp45Order(t *testing.T, order, mode string, withC bool, ttl, poll time.Dura
 		case 'G':
 			require.NoError(t, first.Release(ctx))
 			g := sp45Wait(t, got, "B's Acquire")
-			require.NoError(t, g.err)
-			l = g.l
+			require.NoError(t, g.Err)
+			l = g.L
 		case 'R':
 			exp0 = leasetest.Look(ctx, e.Rdb, e, "o", l.Token()).Expiry
 			released.Store(true)
@@ -396,7 +396,7 @@ func sp45Abandon(t *testing.T, keepOut bool, ttl, poll time.Duration) (time.Dura
 	close(h.leave.open)
 	require.ErrorIs(t, sp45Wait(t, h.leave.ran, "abandon's leave call"), leasetest.ErrNotSent)
 	failed := leasetest.RedisNow(e.Rdb)
-	require.ErrorIs(t, sp45Wait(t, sc.got, "B's Acquire").err, context.Canceled) // abandon has handed its leave call to the keeper
+	require.ErrorIs(t, sp45Wait(t, sc.got, "B's Acquire").Err, context.Canceled) // abandon has handed its leave call to the keeper
 	if keepOut {
 		close(h.spare.open)
 		require.NoError(t, sp45Wait(t, h.spare.ran, "the keeper's leave call"))
@@ -420,9 +420,9 @@ func sp45Abandon(t *testing.T, keepOut bool, ttl, poll time.Duration) (time.Dura
 // sp45Abandoned is where sp45AbandonScene leaves a round.
 type sp45Abandoned struct {
 	b      *lease.Semaphore
-	got    chan wt45Got // B's Acquire's outcome
-	branch string       // see sp45Abandon
-	leave  []any        // abandon's leave call's ARGV, held at h.leave (nil if delivered)
+	got    chan leasetest.Got // B's Acquire's outcome
+	branch string             // see sp45Abandon
+	leave  []any              // abandon's leave call's ARGV, held at h.leave (nil if delivered)
 }
 
 // sp45AbandonScene sets the scene of sp45Abandon and sq45CloseAbandon on
@@ -443,8 +443,8 @@ func sp45AbandonScene(t *testing.T, e *leasetest.Env, h *sp45Hook, keepOut bool,
 	require.NoError(t, err)
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	got := make(chan wt45Got, 1)
-	wt45Acquire(actx, e, b, "b", "g", got)
+	got := make(chan leasetest.Got, 1)
+	leasetest.AcquireAsync(actx, e, b, "b", "g", got)
 	e.Queued(t, "g", 1)
 	if keepOut {
 		h.keep.reply = make(chan struct{})
@@ -461,10 +461,10 @@ func sp45AbandonScene(t *testing.T, e *leasetest.Env, h *sp45Hook, keepOut bool,
 	sc := sp45Abandoned{b: b, got: got}
 	select {
 	case g := <-got: // the lease reached the caller first: not this round's case
-		require.NoError(t, g.err)
+		require.NoError(t, g.Err)
 		h.leave.armed.Store(false)
 		h.spare.armed.Store(false)
-		require.NoError(t, g.l.Release(ctx))
+		require.NoError(t, g.L.Release(ctx))
 		if keepOut {
 			close(h.keep.reply)
 		}
@@ -519,8 +519,8 @@ func TestReviewSpare45LapseWhileKeepOut(t *testing.T) {
 				require.NoError(t, err)
 				actx, cancel := context.WithTimeout(ctx, 20*time.Second)
 				defer cancel()
-				got := make(chan wt45Got, 1)
-				wt45Acquire(actx, e, b, "b", "z", got)
+				got := make(chan leasetest.Got, 1)
+				leasetest.AcquireAsync(actx, e, b, "b", "z", got)
 				e.Queued(t, "z", 1)
 				var bl atomic.Pointer[lease.Lease]
 				type cGot struct {
@@ -544,12 +544,12 @@ func TestReviewSpare45LapseWhileKeepOut(t *testing.T) {
 				}
 				require.NoError(t, first.Release(ctx))
 				g := sp45Wait(t, got, "B's Acquire")
-				require.NoError(t, g.err)
-				bl.Store(g.l)
-				sp45Wait(t, g.l.Lost(), "B's Lost (no extension while the keeper is blocked)")
+				require.NoError(t, g.Err)
+				bl.Store(g.L)
+				sp45Wait(t, g.L.Lost(), "B's Lost (no extension while the keeper is blocked)")
 				var rerr error
 				if release {
-					rerr = g.l.Release(context.WithValue(ctx, sp45Rel{}, true))
+					rerr = g.L.Release(context.WithValue(ctx, sp45Rel{}, true))
 					if !errors.Is(rerr, lease.ErrLost) {
 						t.Errorf("Release after Lost: %v, want ErrLost", rerr)
 					}
@@ -626,8 +626,8 @@ func sp45Close(t *testing.T, order string, at int, ttl, poll time.Duration) {
 	require.NoError(t, err)
 	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
-	got := make(chan wt45Got, 1)
-	wt45Acquire(actx, e, b, "b", "x", got)
+	got := make(chan leasetest.Got, 1)
+	leasetest.AcquireAsync(actx, e, b, "b", "x", got)
 	e.Queued(t, "x", 1)
 	h.keep.reply = make(chan struct{})
 	h.keep.armed.Store(true)
@@ -690,8 +690,8 @@ func sp45Close(t *testing.T, order string, at int, ttl, poll time.Duration) {
 		case 'G':
 			require.NoError(t, first.Release(ctx))
 			g := sp45Wait(t, got, "B's Acquire")
-			require.NoError(t, g.err)
-			l = g.l
+			require.NoError(t, g.Err)
+			l = g.L
 		case 'R':
 			relCalled = true
 			go func() { relErr <- l.Release(context.WithValue(ctx, sp45Rel{}, true)) }()
@@ -716,8 +716,8 @@ func sp45Close(t *testing.T, order string, at int, ttl, poll time.Duration) {
 	var bErr error
 	if l == nil {
 		g := sp45Wait(t, got, "B's Acquire")
-		bErr = g.err
-		l = g.l
+		bErr = g.Err
+		l = g.L
 	}
 	if relCalled {
 		assert.NotErrorIs(t, sp45Wait(t, relErr, "B's Release"), lease.ErrLost, "B's Release")

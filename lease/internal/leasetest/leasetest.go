@@ -1,9 +1,10 @@
 // Package leasetest is the test rig shared by package lease's tests and
-// the reviews in lease/internal/leasereview: an engine on a key prefix of
-// its own (Env), Semaphores closed when the test ends, the Redis keys of a
-// subject, engines over proxied or hooked clients, a goroutine check after
-// Close, a hook that sees every command, and the Redis side of a lease
-// found by its fencing token. Nothing outside tests imports it.
+// the reviews in lease/internal/leasereview and keepreview: an engine on
+// a key prefix of its own (Env), Semaphores closed when the test ends, an
+// Acquire in a goroutine of its own (AcquireAsync), the Redis keys of a
+// subject, engines over proxied or hooked clients, a goroutine check
+// after Close, a hook that sees every command, and the Redis side of a
+// lease found by its fencing token. Nothing outside tests imports it.
 package leasetest
 
 import (
@@ -358,4 +359,23 @@ func RedisNow(rdb *redis.Client) int64 {
 // Ms is us µs as a Duration, to the millisecond (for logs).
 func Ms(us int64) time.Duration {
 	return (time.Duration(us) * time.Microsecond).Round(time.Millisecond)
+}
+
+// Got is the outcome of an Acquire started by AcquireAsync: who made it,
+// the lease or the error, and when it returned on the Redis clock
+// (microseconds).
+type Got struct {
+	Who string
+	L   *lease.Lease
+	Err error
+	At  int64
+}
+
+// AcquireAsync starts an Acquire of key on s in its own goroutine and
+// sends its outcome to got.
+func AcquireAsync(ctx context.Context, e *Env, s *lease.Semaphore, who, key string, got chan<- Got) {
+	go func() {
+		l, err := s.Acquire(ctx, key)
+		got <- Got{Who: who, L: l, Err: err, At: RedisNow(e.Rdb)}
+	}()
 }

@@ -1,4 +1,4 @@
-package leasereview_test
+package keepreview_test
 
 // Review of effeef6 (admit drops an id of the queue whose expiry is
 // missing from the waiters set, rather than granting it) through the
@@ -782,21 +782,21 @@ func TestReviewAdmit45KeepReplyAfterRelease(t *testing.T) {
 	require.NoError(t, c.Load(ctx))
 	held, err := b.Acquire(ctx, "r")
 	require.NoError(t, err)
-	got := make(chan wt45Got, 1)
+	got := make(chan leasetest.Got, 1)
 	actx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	wt45Acquire(actx, e, c, "c", "r", got)
+	leasetest.AcquireAsync(actx, e, c, "c", "r", got)
 	e.Queued(t, "r", 1)
 	h.armKeep.Store(true)
 	argv := <-h.ran // C's keep call ran: its waiter refreshed; its reply held back
 	require.NoError(t, held.Release(ctx))
 	g := <-got
-	require.NoError(t, g.err)
-	lostBefore := leasetest.IsLost(g.l)
-	seen := leasetest.Look(ctx, e.Rdb, e, "r", g.l.Token())
+	require.NoError(t, g.Err)
+	lostBefore := leasetest.IsLost(g.L)
+	seen := leasetest.Look(ctx, e.Rdb, e, "r", g.L.Token())
 	h.armRel.Store(true)
-	rerr := g.l.Release(ctx)
-	t.Logf("keep call %v; C granted token %d (Redis holds it: %v, %v left; Lost closed: %v); Release: %v", argv[3:], g.l.Token(), seen.Held, seen.Margin(), lostBefore, rerr)
+	rerr := g.L.Release(ctx)
+	t.Logf("keep call %v; C granted token %d (Redis holds it: %v, %v left; Lost closed: %v); Release: %v", argv[3:], g.L.Token(), seen.Held, seen.Margin(), lostBefore, rerr)
 	h.mu.Lock()
 	t.Logf("C's release and leave calls as they went out (the release is the one held back): %v", h.sent)
 	h.mu.Unlock()

@@ -1,4 +1,4 @@
-package leasereview_test
+package keepreview_test
 
 // Adversarial review (side 5, helper-66) of d72bffe (the sweep takes a lapsed
 // lease's unread wake-up off its owner's list), 7d22105 (HoldConn on a

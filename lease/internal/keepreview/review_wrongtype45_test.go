@@ -1,4 +1,4 @@
-package leasereview_test
+package keepreview_test
 
 // Review of dbfe776 (a waiter whose keeper's poll fails with WRONGTYPE
 // gets the error and leaves the queue) and fab2dc7 (holdersKey, keyBase,
@@ -24,24 +24,6 @@ import (
 	"github.com/slotbook/slotbook/lease/internal/leasetest"
 	"github.com/slotbook/slotbook/throttle"
 )
-
-// wt45Got is one Acquire's outcome, with Redis's clock (µs) when it
-// returned.
-type wt45Got struct {
-	who string
-	l   *lease.Lease
-	err error
-	at  int64
-}
-
-// wt45Acquire starts an Acquire of key on s in its own goroutine and sends
-// its outcome to got.
-func wt45Acquire(ctx context.Context, e *leasetest.Env, s *lease.Semaphore, who, key string, got chan<- wt45Got) {
-	go func() {
-		l, err := s.Acquire(ctx, key)
-		got <- wt45Got{who: who, l: l, err: err, at: leasetest.RedisNow(e.Rdb)}
-	}()
-}
 
 // wt45Corrupt overwrites subject's part (w, q, h, ...) with a string.
 func wt45Corrupt(t *testing.T, e *leasetest.Env, subject, part string) {
@@ -74,18 +56,18 @@ func TestReviewWrongType45FailedWaitersStayQueued(t *testing.T) {
 	require.NoError(t, err)
 	actx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	got := make(chan wt45Got, 4)
+	got := make(chan leasetest.Got, 4)
 	for i := range 3 {
-		wt45Acquire(actx, e, a, fmt.Sprint("a", i), "o", got)
+		leasetest.AcquireAsync(actx, e, a, fmt.Sprint("a", i), "o", got)
 		e.Queued(t, "o", int64(i+1))
 	}
 	broke := leasetest.RedisNow(e.Rdb)
 	wt45Corrupt(t, e, "o", "w")
 	for range 3 {
 		g := <-got
-		require.Error(t, g.err, "%s", g.who)
-		assert.True(t, redis.HasErrorPrefix(g.err, "WRONGTYPE"), "%s: %v", g.who, g.err)
-		t.Logf("%s returned %v after the corruption: %v", g.who, leasetest.Ms(g.at-broke), g.err)
+		require.Error(t, g.Err, "%s", g.Who)
+		assert.True(t, redis.HasErrorPrefix(g.Err, "WRONGTYPE"), "%s: %v", g.Who, g.Err)
+		t.Logf("%s returned %v after the corruption: %v", g.Who, leasetest.Ms(g.At-broke), g.Err)
 	}
 	failed := time.Now()
 	<-held.Lost() // its extensions fail too
@@ -101,10 +83,10 @@ func TestReviewWrongType45FailedWaitersStayQueued(t *testing.T) {
 
 	xctx, xcancel := context.WithTimeout(ctx, 10*time.Second)
 	defer xcancel()
-	wt45Acquire(xctx, e, c, "x", "o", got)
+	leasetest.AcquireAsync(xctx, e, c, "x", "o", got)
 	g := <-got
-	require.NoError(t, g.err)
-	waited := leasetest.Ms(g.at - restored)
+	require.NoError(t, g.Err)
+	waited := leasetest.Ms(g.At - restored)
 	t.Logf("a new waiter was granted the key's one lease %v after the restore (Redis clock; TTL %v)", waited, ttl)
 	// The ids of the waiters that gave up may still stand in the queue
 	// (their leave calls failed), but none may be granted the lease: the
@@ -115,7 +97,7 @@ func TestReviewWrongType45FailedWaitersStayQueued(t *testing.T) {
 	holders, err := e.Rdb.ZRange(ctx, e.Key("o", "h"), 0, -1).Result()
 	require.NoError(t, err)
 	t.Logf("once the new waiter was served: queue %q, holders %q", qAfter, holders)
-	require.NoError(t, g.l.Release(ctx))
+	require.NoError(t, g.L.Release(ctx))
 	assert.Less(t, waited, ttl, "the key's one lease went to waiters that had given up, a TTL each")
 	for _, id := range q {
 		assert.NotContains(t, qAfter, id, "a waiter that gave up still stands in the queue once a later one was served")
@@ -161,13 +143,13 @@ func TestReviewWrongType45TwoProcesses(t *testing.T) {
 	require.NoError(t, err)
 	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
-	got := make(chan wt45Got, 6)
+	got := make(chan leasetest.Got, 6)
 	for i := range 6 {
 		s, who := a, fmt.Sprint("a", i)
 		if i%2 == 1 {
 			s, who = b, fmt.Sprint("b", i)
 		}
-		wt45Acquire(actx, e, s, who, "p", got)
+		leasetest.AcquireAsync(actx, e, s, who, "p", got)
 		e.Queued(t, "p", int64(i+1))
 	}
 	c0a, c0b := time.Since(hA.base), time.Since(hB.base)
@@ -179,12 +161,12 @@ func TestReviewWrongType45TwoProcesses(t *testing.T) {
 	var slowest time.Duration
 	for range 6 {
 		g := <-got
-		took := leasetest.Ms(g.at - broke)
+		took := leasetest.Ms(g.At - broke)
 		slowest = max(slowest, took)
-		t.Logf("%s returned %v after the corruption: %v", g.who, took, g.err)
-		require.Nil(t, g.l, "%s", g.who)
-		assert.True(t, redis.HasErrorPrefix(g.err, "WRONGTYPE"), "%s returned %v", g.who, g.err)
-		assert.LessOrEqual(t, took, 3*ctl, "%s returned %v after the corruption; the longest gap between two polls before it was %v", g.who, took, ctl)
+		t.Logf("%s returned %v after the corruption: %v", g.Who, took, g.Err)
+		require.Nil(t, g.L, "%s", g.Who)
+		assert.True(t, redis.HasErrorPrefix(g.Err, "WRONGTYPE"), "%s returned %v", g.Who, g.Err)
+		assert.LessOrEqual(t, took, 3*ctl, "%s returned %v after the corruption; the longest gap between two polls before it was %v", g.Who, took, ctl)
 	}
 	require.NoError(t, e.Rdb.Del(ctx, e.Key("p", "w")).Err())
 	select {
@@ -231,10 +213,10 @@ func TestReviewWrongType45GrantRace(t *testing.T) {
 		l2, err := hs.Acquire(ctx, key)
 		require.NoError(t, err)
 		actx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		got := make(chan wt45Got, 2)
-		wt45Acquire(actx, e, a, "a0", key, got)
+		got := make(chan leasetest.Got, 2)
+		leasetest.AcquireAsync(actx, e, a, "a0", key, got)
 		e.Queued(t, key, 1)
-		wt45Acquire(actx, e, a, "a1", key, got)
+		leasetest.AcquireAsync(actx, e, a, "a1", key, got)
 		e.Queued(t, key, 2)
 		ids, err := e.Rdb.ZRange(ctx, e.Key(key, "q"), 0, 0).Result()
 		require.NoError(t, err)
@@ -260,22 +242,22 @@ func TestReviewWrongType45GrantRace(t *testing.T) {
 		})
 		wg.Wait()
 		var mine []*lease.Lease
-		take := func(g wt45Got) {
-			took := leasetest.Ms(g.at - broke)
+		take := func(g leasetest.Got) {
+			took := leasetest.Ms(g.At - broke)
 			slowest = max(slowest, took)
-			if g.l != nil {
+			if g.L != nil {
 				granted++
-				mine = append(mine, g.l)
+				mine = append(mine, g.L)
 				select {
-				case <-g.l.Lost():
+				case <-g.L.Lost():
 				default:
-					seen := leasetest.Look(ctx, e.Rdb, e, key, g.l.Token())
-					assert.True(t, seen.Held && seen.Margin() > 0, "round %d (%s): %s returned a lease Redis does not hold: %+v", i, part, g.who, seen)
+					seen := leasetest.Look(ctx, e.Rdb, e, key, g.L.Token())
+					assert.True(t, seen.Held && seen.Margin() > 0, "round %d (%s): %s returned a lease Redis does not hold: %+v", i, part, g.Who, seen)
 				}
 				return
 			}
 			failed++
-			assert.True(t, redis.HasErrorPrefix(g.err, "WRONGTYPE"), "round %d (%s): %s returned %v after %v", i, part, g.who, g.err, took)
+			assert.True(t, redis.HasErrorPrefix(g.Err, "WRONGTYPE"), "round %d (%s): %s returned %v after %v", i, part, g.Who, g.Err, took)
 		}
 		// A waiter whose keep calls still succeed (its process's wake-up
 		// list corrupted after its grant was read: the key full, its
@@ -283,12 +265,12 @@ func TestReviewWrongType45GrantRace(t *testing.T) {
 		// restored and a lease given back.
 		pending := 2
 		for wait := time.After(8 * poll); pending > 0; pending-- {
-			var g wt45Got
+			var g leasetest.Got
 			select {
 			case g = <-got:
 			case <-wait:
 			}
-			if g.who == "" {
+			if g.Who == "" {
 				break
 			}
 			take(g)
@@ -306,11 +288,11 @@ func TestReviewWrongType45GrantRace(t *testing.T) {
 		mine = nil
 		for ; pending > 0; pending-- {
 			g := <-got
-			require.NoError(t, g.err, "round %d (%s): %s, still waiting when the key was restored", i, part, g.who)
+			require.NoError(t, g.Err, "round %d (%s): %s, still waiting when the key was restored", i, part, g.Who)
 			lateWaiters++
 			take(g)
-			t.Logf("round %d (%s): %s, still waiting when the key was restored, was granted %v after", i, part, g.who, leasetest.Ms(g.at-restored))
-			require.NoError(t, g.l.Release(ctx))
+			t.Logf("round %d (%s): %s, still waiting when the key was restored, was granted %v after", i, part, g.Who, leasetest.Ms(g.At-restored))
+			require.NoError(t, g.L.Release(ctx))
 		}
 		cancel()
 		var back []*lease.Lease
@@ -347,22 +329,22 @@ func wt45Passing(t *testing.T, e *leasetest.Env, h *kr44Hook, engA *throttle.Eng
 	require.NoError(t, err)
 	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
-	got := make(chan wt45Got, 1)
-	wt45Acquire(actx, e, a, "a", "s", got)
+	got := make(chan leasetest.Got, 1)
+	leasetest.AcquireAsync(actx, e, a, "a", "s", got)
 	e.Queued(t, "s", 1)
 	t0 := time.Since(h.base)
 	trouble()
 	t1 := time.Since(h.base)
 	select {
 	case g := <-got:
-		t.Fatalf("the waiter returned during the trouble: %v, %v", g.l, g.err)
+		t.Fatalf("the waiter returned during the trouble: %v, %v", g.L, g.Err)
 	default:
 	}
 	time.Sleep(2 * poll)
 	require.NoError(t, held.Release(ctx))
 	g := <-got
-	require.NoError(t, g.err, "the waiter, once Redis was back")
-	require.NoError(t, g.l.Release(ctx))
+	require.NoError(t, g.Err, "the waiter, once Redis was back")
+	require.NoError(t, g.L.Release(ctx))
 	var errs []string
 	for _, c := range h.calls(t0, t1+poll) {
 		if c.err != nil {
@@ -478,24 +460,24 @@ func TestReviewWrongType45CloseOrCancelAtError(t *testing.T) {
 			_ = a.Close(cctx)
 		}
 		trigger.Store(&f)
-		got := make(chan wt45Got, 1)
-		wt45Acquire(actx, e, a, "a", key, got)
+		got := make(chan leasetest.Got, 1)
+		leasetest.AcquireAsync(actx, e, a, "a", key, got)
 		e.Queued(t, key, 1)
 		broke := leasetest.RedisNow(e.Rdb)
 		wt45Corrupt(t, e, key, "w")
 		g := <-got
 		cancel()
-		took := leasetest.Ms(g.at - broke)
-		require.Nil(t, g.l, "round %d (%s)", i, mode)
+		took := leasetest.Ms(g.At - broke)
+		require.Nil(t, g.L, "round %d (%s)", i, mode)
 		switch {
-		case redis.HasErrorPrefix(g.err, "WRONGTYPE"):
+		case redis.HasErrorPrefix(g.Err, "WRONGTYPE"):
 			outcomes[mode+" wrongtype"]++
-		case errors.Is(g.err, context.Canceled):
+		case errors.Is(g.Err, context.Canceled):
 			outcomes[mode+" canceled"]++
-		case errors.Is(g.err, lease.ErrClosed):
+		case errors.Is(g.Err, lease.ErrClosed):
 			outcomes[mode+" closed"]++
 		default:
-			t.Errorf("round %d (%s): %v after %v", i, mode, g.err, took)
+			t.Errorf("round %d (%s): %v after %v", i, mode, g.Err, took)
 		}
 		assert.Less(t, took, 4*poll+time.Second, "round %d (%s): returned %v after the corruption", i, mode, took)
 		require.NoError(t, e.Rdb.Del(ctx, e.Key(key, "w")).Err())
@@ -512,7 +494,7 @@ func TestReviewWrongType45CloseOrCancelAtError(t *testing.T) {
 			}
 			back = append(back, l)
 		}
-		t.Logf("round %d (%s): %v after %v; both leases back %v after the restore", i, mode, g.err, took, leasetest.Ms(leasetest.RedisNow(e.Rdb)-restored))
+		t.Logf("round %d (%s): %v after %v; both leases back %v after the restore", i, mode, g.Err, took, leasetest.Ms(leasetest.RedisNow(e.Rdb)-restored))
 		for _, l := range back {
 			require.NoError(t, l.Release(ctx))
 		}

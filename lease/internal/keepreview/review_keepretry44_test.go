@@ -1,4 +1,4 @@
-package leasereview_test
+package keepreview_test
 
 // Review of 2b43728 (a keeper whose keep call failed tries again soon:
 // retryAfter), through the public API only: long outages with many
