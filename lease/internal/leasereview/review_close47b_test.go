@@ -708,68 +708,9 @@ func c47bChurn(t *testing.T, p float64, mid bool) {
 // second, succeeds: the engine's probe then fails although Redis
 // answers), as in the control; U's time to its first success is logged.
 func TestReviewClose47bStoppedCloseLocksOutClient(t *testing.T) {
-	const ttl, poll, nk, w = 3 * time.Second, 100 * time.Millisecond, 4, 8
+	const ttl, nk, w = 3 * time.Second, 4, 8
 	run := func(t *testing.T, waiters bool, before time.Duration) (took, recovered time.Duration, refused int) {
-		ctx := context.Background()
-		srv := redistest.Start(t)
-		eng, err := throttle.New(srv.Client(t), throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(time.Second)) // not 50 ms: the set-up's Acquires timed out on a busy machine
-		require.NoError(t, err)
-		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-		require.NoError(t, err)
-		leasetest.CloseAtEnd(t, b)
-		redistest.UntilOK(t, func() error { return b.Load(ctx) })
-		got := make(chan error, nk*w)
-		for i := 0; i < nk; i++ {
-			key := fmt.Sprint("lo47b-", i)
-			_, err := b.Acquire(ctx, key)
-			require.NoError(t, err)
-			if waiters {
-				for range w {
-					go func() { _, err := b.Acquire(ctx, key); got <- err }()
-				}
-			}
-		}
-		if waiters {
-			rdb := srv.Client(t)
-			leasetest.WaitFor(t, func() bool {
-				n := 0
-				for i := 0; i < nk; i++ {
-					n += int(rdb.ZCard(ctx, eng.Prefix()+fmt.Sprintf("partner:{lo47b-%d}:lease:q", i)).Val())
-				}
-				return n == nk*w
-			})
-		}
-		lim := throttle.PerSecond(1000, 1000)
-		u := func() error { _, err := eng.Allow(ctx, "u47b", lim); return err }
-		redistest.UntilOK(t, u)
-		srv.Stop()
-		leasetest.WaitFor(t, func() bool { _ = u(); open, _ := eng.Unavailable(); return open })
-		time.Sleep(300 * time.Millisecond)
-		cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
-		defer cancel()
-		start := time.Now()
-		_ = b.Close(cctx)
-		took = time.Since(start)
-		if waiters {
-			for range nk * w {
-				require.ErrorIs(t, sp45Wait(t, got, "B's Acquire"), lease.ErrClosed)
-			}
-		}
-		time.Sleep(time.Until(start.Add(before)))
-		srv.Restart(t)
-		back := time.Now()
-		for {
-			err := u()
-			if err == nil {
-				break
-			}
-			if errors.Is(err, syscall.ECONNREFUSED) {
-				refused++
-			}
-			require.Less(t, time.Since(back), 10*time.Second, "U not served within 10 s of the restart: %v", err)
-			time.Sleep(time.Millisecond)
-		}
-		return took, time.Since(back), refused
+		return c47bStoppedScene(t, ttl, nk, w, "lo47b-", waiters, true, before)
 	}
 	for _, before := range []time.Duration{300 * time.Millisecond, 600 * time.Millisecond, 900 * time.Millisecond} {
 		took, rec, refused := run(t, false, before)
@@ -790,6 +731,78 @@ func TestReviewClose47bStoppedCloseLocksOutClient(t *testing.T) {
 			t.Logf("known limit: %d of U's calls refused a connection once Redis listened again", refused)
 		}
 	}
+}
+
+// c47bStoppedScene: B (N = 1, TTL ttl, poll 100 ms, engine timeout 1 s)
+// holds the one lease of each of nk keys (name+"0" ...) and, if waiters,
+// has w waiters queued on each; U is another user of B's engine, served
+// before Redis is stopped. If openFirst, B's breaker is opened (by U's
+// calls) and 300 ms pass; then B's Close is called with
+// context.Background(). Redis is restarted restartAfter after Close began,
+// and U calls until it is served. It returns Close's time, how long U took
+// to be served after the restart, and how many of U's calls were refused a
+// connection (ECONNREFUSED: go-redis's dial lockout, once Redis listens).
+func c47bStoppedScene(t *testing.T, ttl time.Duration, nk, w int, name string, waiters, openFirst bool, restartAfter time.Duration) (took, recovered time.Duration, refused int) {
+	ctx := context.Background()
+	srv := redistest.Start(t)
+	eng, err := throttle.New(srv.Client(t), throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(time.Second)) // not 50 ms: the set-up's Acquires timed out on a busy machine
+	require.NoError(t, err)
+	b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(100*time.Millisecond))
+	require.NoError(t, err)
+	leasetest.CloseAtEnd(t, b)
+	redistest.UntilOK(t, func() error { return b.Load(ctx) })
+	got := make(chan error, nk*w)
+	for i := 0; i < nk; i++ {
+		key := fmt.Sprint(name, i)
+		_, err := b.Acquire(ctx, key)
+		require.NoError(t, err)
+		if waiters {
+			for range w {
+				go func() { _, err := b.Acquire(ctx, key); got <- err }()
+			}
+		}
+	}
+	if waiters {
+		rdb := srv.Client(t)
+		leasetest.WaitFor(t, func() bool {
+			n := 0
+			for i := 0; i < nk; i++ {
+				n += int(rdb.ZCard(ctx, eng.Prefix()+fmt.Sprintf("partner:{%s%d}:lease:q", name, i)).Val())
+			}
+			return n == nk*w
+		})
+	}
+	lim := throttle.PerSecond(1000, 1000)
+	u := func() error { _, err := eng.Allow(ctx, "u-"+name, lim); return err }
+	redistest.UntilOK(t, u)
+	srv.Stop()
+	if openFirst {
+		leasetest.WaitFor(t, func() bool { _ = u(); open, _ := eng.Unavailable(); return open })
+		time.Sleep(300 * time.Millisecond)
+	}
+	start := time.Now()
+	_ = b.Close(ctx)
+	took = time.Since(start)
+	if waiters {
+		for range nk * w {
+			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire"), lease.ErrClosed)
+		}
+	}
+	time.Sleep(time.Until(start.Add(restartAfter)))
+	srv.Restart(t)
+	back := time.Now()
+	for {
+		err := u()
+		if err == nil {
+			break
+		}
+		if errors.Is(err, syscall.ECONNREFUSED) {
+			refused++
+		}
+		require.Less(t, time.Since(back), 10*time.Second, "U not served within 10 s of the restart: %v", err)
+		time.Sleep(time.Millisecond)
+	}
+	return took, time.Since(back), refused
 }
 
 // c47bRel marks the context of a test's Release, for c47bKinds.

@@ -5,7 +5,6 @@ package leasereview_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"math/rand/v2"
 	"slices"
@@ -39,68 +38,9 @@ import (
 // errors), as in the control (checked with the breaker open at Close:
 // with it closed, the control's releases alone may trip it, logged).
 func TestReviewClose47cStoppedManyKeys(t *testing.T) {
-	const ttl, poll, nk, w = 20 * time.Second, 100 * time.Millisecond, 32, 6
+	const ttl, nk, w = 20 * time.Second, 32, 6
 	run := func(t *testing.T, waiters, openFirst bool) (took, recovered time.Duration, refused int) {
-		ctx := context.Background()
-		srv := redistest.Start(t)
-		eng, err := throttle.New(srv.Client(t), throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(time.Second)) // not 50 ms: the set-up's Acquires timed out on a busy machine
-		require.NoError(t, err)
-		b, err := lease.New(eng, "partner", 1, lease.WithTTL(ttl), lease.WithPollInterval(poll))
-		require.NoError(t, err)
-		leasetest.CloseAtEnd(t, b)
-		redistest.UntilOK(t, func() error { return b.Load(ctx) })
-		got := make(chan error, nk*w)
-		for i := 0; i < nk; i++ {
-			key := fmt.Sprint("c47c-", i)
-			_, err := b.Acquire(ctx, key)
-			require.NoError(t, err)
-			if waiters {
-				for range w {
-					go func() { _, err := b.Acquire(ctx, key); got <- err }()
-				}
-			}
-		}
-		if waiters {
-			rdb := srv.Client(t)
-			leasetest.WaitFor(t, func() bool {
-				n := 0
-				for i := 0; i < nk; i++ {
-					n += int(rdb.ZCard(ctx, eng.Prefix()+fmt.Sprintf("partner:{c47c-%d}:lease:q", i)).Val())
-				}
-				return n == nk*w
-			})
-		}
-		lim := throttle.PerSecond(1000, 1000)
-		u := func() error { _, err := eng.Allow(ctx, "u47c", lim); return err }
-		redistest.UntilOK(t, u)
-		srv.Stop()
-		if openFirst {
-			leasetest.WaitFor(t, func() bool { _ = u(); open, _ := eng.Unavailable(); return open })
-			time.Sleep(300 * time.Millisecond)
-		}
-		start := time.Now()
-		_ = b.Close(ctx)
-		took = time.Since(start)
-		if waiters {
-			for range nk * w {
-				require.ErrorIs(t, sp45Wait(t, got, "B's Acquire"), lease.ErrClosed)
-			}
-		}
-		time.Sleep(time.Until(start.Add(1500 * time.Millisecond)))
-		srv.Restart(t)
-		back := time.Now()
-		for {
-			err := u()
-			if err == nil {
-				break
-			}
-			if errors.Is(err, syscall.ECONNREFUSED) {
-				refused++
-			}
-			require.Less(t, time.Since(back), 10*time.Second, "U not served within 10 s of the restart: %v", err)
-			time.Sleep(time.Millisecond)
-		}
-		return took, time.Since(back), refused
+		return c47bStoppedScene(t, ttl, nk, w, "c47c-", waiters, openFirst, 1500*time.Millisecond)
 	}
 	for _, openFirst := range []bool{true, false} {
 		t.Run(fmt.Sprint("breakerOpenAtClose=", openFirst), func(t *testing.T) {
