@@ -540,15 +540,18 @@ func (s *Semaphore) handOut(ctx context.Context, l *Lease, start time.Time) (*Le
 // drops their waiters within the TTL. ctx bounds the wait: once every
 // Close under way has returned with its ctx's error, the keepers end, and
 // the calls still owed wait for a Close called after (a retry), which
-// sends them as the first would have; without one, Redis drops those
-// waiters within the TTL.
+// sends them as the first would have, judging afresh whether Redis is
+// away; without one, Redis drops those waiters within the TTL.
 func (s *Semaphore) Close(ctx context.Context) error {
 	s.mu.Lock()
 	s.closers++ // from the start: a Close given up meanwhile must not give up for this one (helper-135)
 	if s.gaveUp {
 		// A retry of a Close that gave up: the keepers it ended, keeping
 		// what their rooms owe, start afresh and send it.
-		s.gaveUp, s.giveUp = false, make(chan struct{})
+		// Redis was judged away (if it was) for the Close that gave up:
+		// this one judges afresh, or it would drop unsent what it is to
+		// send, Redis answering (helper-142).
+		s.gaveUp, s.giveUp, s.away = false, make(chan struct{}), 0
 		s.keepers = append(s.keepers, new(sync.WaitGroup))
 		for _, r := range s.rooms {
 			if !r.keeping {

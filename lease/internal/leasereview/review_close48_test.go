@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -45,6 +46,7 @@ type c48Hook struct {
 	gate                  chan struct{}
 	held, failed, leaveOK atomic.Int32
 	calls                 atomic.Int64
+	next                  atomic.Pointer[c48StaleHook] // sees each call first, if set
 }
 
 func newC48Hook() *c48Hook { return &c48Hook{gate: make(chan struct{})} }
@@ -72,6 +74,11 @@ func (h *c48Hook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Proc
 func (h *c48Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
 		h.calls.Add(1)
+		if n := h.next.Load(); n != nil {
+			if done, err := n.call(cmd); done {
+				return err
+			}
+		}
 		leave := c48Leave(cmd)
 		switch h.mode.Load() {
 		case c48Away:
@@ -541,12 +548,116 @@ func TestReviewClose48AwayThenBack(t *testing.T) {
 			t.Logf("%s: the retry Close (Background, B's engine answering) took %v, error %v; leave calls it had answered %d; standing %d of %d",
 				variant, took, err, h.leaveOK.Load()-sentBefore, left, nk*w)
 			assert.NoError(t, err)
-			if variant == "afterRounds" {
-				return // the first Close may have dropped them all itself, Redis judged away: logged only
-			}
-			assert.Zero(t, left, "%s: B's gone waiters standing once a retry Close with context.Background() returned nil, begun with Redis answering", variant)
+			// Logged only: before the give-up, the first Close's keepers
+			// may judge Redis away and drop what they owe (as documented),
+			// some rooms' calls or all (stop 48, with the mend: the retry
+			// sent 8 to 48 of 48). TestReviewClose48StaleAwayAtRetry checks
+			// the retry with a scene that does not depend on that timing.
 		})
 	}
+}
+
+// TestReviewClose48StaleAwayAtRetry: B (engine timeout 1 s) has W = 4
+// waiters queued on each of K = 3 keys (A holding each key's lease). B's
+// Close, with a context the test ends later, ends the waiters, whose own
+// leave calls a c48StaleHook holds. Then B's calls fail unsent (a refused
+// dial: Redis away, as far as B can tell), and the held calls of keys 1
+// and 2 fail so: their keepers send them past the breaker, which has
+// opened, and they fail too. Once those calls stop (two such rounds in a
+// row make Redis judged away, Close's doc, and the calls are dropped)
+// the Close's context is ended, and it gives up. Then key 0's held calls fail unsent (owed again, kept for a
+// later Close), B's calls pass again, and B's engine is seen answering.
+// Premise: key 0's 4 waiters stand. A Close with context.Background() is
+// made. Check (Close's doc: "Only when Redis is away ... are they
+// dropped"; "A Close called after that (a retry) ... sends them as the
+// first would have"): once it has returned nil, none of key 0's waiters
+// stands. At 9fc2937 (helper-142's review) the judgement made for the
+// first Close stood, and the retry dropped them unsent.
+func TestReviewClose48StaleAwayAtRetry(t *testing.T) {
+	const nk, w = 3, 4 // the held calls stay within half B's pool (the engine's gate)
+	ctx := context.Background()
+	sc := c48Setup(t, c48Cfg{nk: nk, w: w, timeout: time.Second, tag: "stale"})
+	h := &c48StaleHook{key0: "{" + sc.keys[0] + "}", gate0: make(chan struct{}), gateN: make(chan struct{})}
+	h.hold.Store(true)
+	sc.hook.next.Store(h)
+	cctx, cancel := context.WithCancel(ctx)
+	first := make(chan error, 1)
+	go func() { first <- sc.b.Close(cctx) }()
+	leasetest.WaitFor(t, func() bool { return h.held0.Load() == w && h.heldN.Load() == (nk-1)*w })
+	h.away.Store(true)
+	// The breaker opens at the first of these calls' failures, before its
+	// leave call is owed: every keeper call after is past an open breaker.
+	// Keys 1 and 2's keepers send them past it, a call a round (25 ms
+	// apart), until Redis is judged away and they drop them: the calls
+	// stop. Premise: they have stopped (none for 300 ms).
+	k := h.keeper.Load()
+	close(h.gateN)
+	last, since := k, time.Now()
+	leasetest.WaitFor(t, func() bool {
+		if n := h.keeper.Load(); n != last {
+			last, since = n, time.Now()
+		}
+		open, _ := sc.eng.Unavailable()
+		return open && last > k && time.Since(since) > 300*time.Millisecond
+	})
+	cancel()
+	require.ErrorIs(t, sp45Wait(t, first, "the first Close"), context.Canceled, "premise: the first Close gave up")
+	close(h.gate0)
+	leasetest.WaitFor(t, func() bool { return h.done0.Load() == w })
+	h.away.Store(false)
+	sc.acquiresDone(t, nk*w)
+	lim := throttle.PerSecond(1000, 1000)
+	redistest.UntilOK(t, func() error { _, err := sc.eng.Allow(ctx, "c48-u", lim); return err })
+	standing0 := func() int {
+		return int(sc.rdb.ZCard(ctx, sc.prefix+"partner:"+h.key0+":lease:w").Val())
+	}
+	require.Equal(t, w, standing0(), "premise: key 0's waiters stand before the retry")
+	start := time.Now()
+	err := sc.b.Close(ctx)
+	took := time.Since(start)
+	left := standing0()
+	t.Logf("keeper leave calls before the give-up %d; the retry Close took %v, error %v; key 0's waiters standing after it %d of %d (all keys: %d of %d)",
+		h.keeper.Load(), took, err, left, w, sc.standing(), nk*w)
+	assert.NoError(t, err)
+	assert.Zero(t, left, "key 0's gone waiters standing once a retry Close with context.Background() returned nil, begun with Redis answering")
+}
+
+// c48StaleHook, set on a c48Hook (next), sees B's calls first: while
+// hold is set it holds each waiter's own leave call (four arguments),
+// key0's until gate0 closes and the others' until gateN does; while away
+// is set every call fails unsent (a refused dial), a held one once let
+// go too. keeper counts the keeper's leave calls (five arguments).
+type c48StaleHook struct {
+	key0                string // key 0's hash tag, "{...}"
+	gate0, gateN        chan struct{}
+	hold, away          atomic.Bool
+	held0, heldN, done0 atomic.Int32
+	keeper              atomic.Int32
+}
+
+// call is what c48Hook does with cmd first: it reports whether cmd is
+// done (failed), with its error.
+func (h *c48StaleHook) call(cmd redis.Cmder) (bool, error) {
+	argv, keys := leasetest.ScriptArgs(cmd)
+	leave := c48Leave(cmd)
+	if leave && len(argv) == 5 {
+		h.keeper.Add(1)
+	}
+	if leave && len(argv) == 4 && h.hold.Load() {
+		if strings.Contains(keys[0], h.key0) {
+			h.held0.Add(1)
+			<-h.gate0
+			defer h.done0.Add(1)
+		} else {
+			h.heldN.Add(1)
+			<-h.gateN
+		}
+	}
+	if h.away.Load() {
+		cmd.SetErr(leasetest.ErrNotSent)
+		return true, leasetest.ErrNotSent
+	}
+	return false, nil
 }
 
 // TestReviewClose48NoRetrySettles: after a Close that gives up, with no
