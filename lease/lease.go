@@ -527,7 +527,9 @@ func (s *Semaphore) handOut(ctx context.Context, l *Lease, start time.Time) (*Le
 // leave the queue), held leases are released (their Lost is closed, and
 // their Release is then a no-op) and no longer extended, and Close waits
 // for the goroutines that extend leases and wake waiters, or for ctx to
-// end. It returns the errors of the releases. Close is idempotent.
+// end. It returns the errors of the releases; a lease whose release
+// failed is given back by a leave call of its own, sent as a gone
+// waiter's is (below). Close is idempotent.
 //
 // Before it returns, the leave call of every waiter that has gone (given
 // up, or ended by Close) is sent: those out when Close begins are waited
@@ -568,6 +570,7 @@ func (s *Semaphore) Close(ctx context.Context) error {
 	for _, r := range s.rooms {
 		for _, l := range r.holds {
 			held = append(held, l)
+			r.out++ // its release keeps the room: see closeReleased
 		}
 		if r.blocking {
 			blocked = append(blocked, s.wakeList(r.key))
@@ -588,11 +591,13 @@ func (s *Semaphore) Close(ctx context.Context) error {
 	wg.Go(func() { s.pushWakes(ctx, blocked) })
 	for _, l := range held {
 		wg.Go(func() {
-			if err := l.Release(ctx); err != nil && !errors.Is(err, ErrLost) {
+			err := l.Release(ctx)
+			if err != nil && !errors.Is(err, ErrLost) {
 				emu.Lock()
 				errs = append(errs, err)
 				emu.Unlock()
 			}
+			s.closeReleased(l, err)
 			s.markLost(l) // the holder should stop: the lease is given back
 		})
 	}
@@ -655,6 +660,27 @@ type grant struct {
 // lapsed leases it swept.
 func (s *Semaphore) run(ctx context.Context, script *throttle.Script, key string, args ...any) (reply, error) {
 	return s.runCall(ctx, false, script, key, args...)
+}
+
+// closeReleased follows Close's release of l, which returned err: the
+// room, kept while the release was out (room.out), owes l's leave call if
+// the release failed (leave.lua gives back a lease its waiter holds, as
+// release.lua does, and does nothing once it is released), for its keeper
+// to send as it sends a gone waiter's: a Close that gave up leaves it
+// owed, and a retry sends it (helper-143).
+func (s *Semaphore) closeReleased(l *Lease, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r := s.rooms[l.key]
+	r.out--
+	if err != nil && !errors.Is(err, ErrLost) {
+		s.leavingLocked(r, l.id, 0) // wakes the keeper
+	} else if r.out == 0 {
+		select { // the room may be empty now
+		case r.wake <- struct{}{}:
+		default:
+		}
+	}
 }
 
 // runCall is run; if past, the engine's open breaker does not refuse the

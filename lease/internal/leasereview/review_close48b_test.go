@@ -667,7 +667,7 @@ func TestReviewClose48bClusterOneStopped(t *testing.T) {
 func TestReviewClose48bChurn(t *testing.T) {
 	const nk, workers, rounds = 3, 5, 10
 	ctx := context.Background()
-	gaveUp, explained := 0, 0
+	gaveUp := 0
 	for round := 0; round < rounds; round++ {
 		sc := c48bSetup(t, c48bCfg{timeout: 200 * time.Millisecond, latency: 5 * time.Millisecond, poll: 50 * time.Millisecond, tag: fmt.Sprint("ch", round)})
 		var keys []string
@@ -724,22 +724,13 @@ func TestReviewClose48bChurn(t *testing.T) {
 			round, grants.Load(), cancels.Load(), d, firstErr, took, err, ws, hs, sc.hook)
 		assert.NoError(t, err, "round %d: the retry Close (Background)", round)
 		assert.Empty(t, ws, "round %d: B's gone waiters standing once the Background Close returned nil (Redis answering); first Close %v", round, firstErr)
-		// A lease whose release the first Close reported failed stands
-		// (TestReviewClose48bHeldLeases); any other is a fault of its own.
-		var unexplained []string
-		for _, h := range hs {
-			key, _, _ := strings.Cut(h, "/")
-			if firstErr == nil || !strings.Contains(firstErr.Error(), fmt.Sprintf("release %q", key)) {
-				unexplained = append(unexplained, h)
-			}
-		}
-		if len(hs) > len(unexplained) {
-			explained++
-		}
-		assert.Empty(t, unexplained, "round %d: B's leases standing once the Background Close returned nil (Redis answering), their release not among the first Close's errors: %v", round, firstErr)
+		// Before stop 48's mend a lease whose release the first Close
+		// reported failed stood here (TestReviewClose48bHeldLeases): 1 to 4
+		// rounds in 10. Its leave call is now owed, and the retry sends it.
+		assert.Empty(t, hs, "round %d: B's leases standing once the Background Close returned nil (Redis answering); first Close %v", round, firstErr)
 		require.NoError(t, sc.a.Close(ctx))
 	}
-	t.Logf("%d rounds: the first Close gave up in %d; leases left standing by releases the first Close failed in %d (see TestReviewClose48bHeldLeases)", rounds, gaveUp, explained)
+	t.Logf("%d rounds: the first Close gave up in %d", rounds, gaveUp)
 	require.Positive(t, gaveUp, "premise: some first Closes gave up")
 	leasetest.Settled(t, 5*time.Second)
 }
