@@ -419,10 +419,15 @@ func TestReviewCHPoolClosePausedNoOverGive(t *testing.T) {
 			acted = append(acted, chRan(runJ, runR)...)
 			acted = append(acted, chRan(aheadJ, aheadR)...)
 			got := chTATs(t, e, lim, "k")
+			_, now := chTat(t, e, lim.Name()+":{k}")
 			for i, l := range lim.Limits() {
 				want := gcraTAT(acted, l.Interval())
-				t.Logf("%s: limit %v: the key holds %v beyond the replay of the slots acted on", mode, l, time.Duration(got[i]-want)*time.Microsecond)
-				assert.GreaterOrEqual(t, got[i], want, "%s: limit %v: room given back under a slot acted on", mode, l)
+				t.Logf("%s: limit %v: the key holds %v beyond the replay of the slots acted on (now %v past the replay)", mode, l, time.Duration(got[i]-want)*time.Microsecond, time.Duration(now-want)*time.Microsecond)
+				// A TAT behind Redis's now is now: once the replay's has
+				// passed too (a slow Close on a busy machine), the key has
+				// rightly expired, and holds nothing (s5, stop 48: read
+				// 7.5 s after the replay's TAT, the key gone).
+				assert.GreaterOrEqual(t, max(got[i], now), max(want, now), "%s: limit %v: room given back under a slot acted on", mode, l)
 			}
 			if sem != nil {
 				c, cancel := context.WithTimeout(ctx, 10*time.Second)
