@@ -235,26 +235,11 @@ func (sc *c48Scene) acquiresDone(t *testing.T, n int) {
 	}
 }
 
-// pause stops sc's server (SIGSTOP: connections are accepted, nothing
-// answers) and waits until B's engine has its breaker open.
-func (sc *c48Scene) pause(t *testing.T) {
-	t.Helper()
-	require.NoError(t, syscall.Kill(sc.srv.Pid(), syscall.SIGSTOP))
-	lim := throttle.PerSecond(1000, 1000)
-	leasetest.WaitFor(t, func() bool {
-		_, _ = sc.eng.Allow(context.Background(), "c48-u", lim)
-		open, _ := sc.eng.Unavailable()
-		return open
-	})
-}
+// pause stops sc's server and waits until B's breaker is open.
+func (sc *c48Scene) pause(t *testing.T) { t.Helper(); leasetest.Pause(t, sc.srv, sc.eng) }
 
 // resume resumes sc's server and waits until it answers A's engine.
-func (sc *c48Scene) resume(t *testing.T) {
-	t.Helper()
-	require.NoError(t, syscall.Kill(sc.srv.Pid(), syscall.SIGCONT))
-	lim := throttle.PerSecond(1000, 1000)
-	redistest.UntilOK(t, func() error { _, err := sc.aEng.Allow(context.Background(), "c48-v", lim); return err })
-}
+func (sc *c48Scene) resume(t *testing.T) { t.Helper(); leasetest.Resume(t, sc.srv, sc.aEng) }
 
 // giveUp calls B's Close with a context of d and requires that it gave
 // up (returned the context's error): the test's premise.

@@ -328,23 +328,9 @@ func c48bCount(bs []bool) int {
 	return n
 }
 
-func (sc *c48bScene) pause(t *testing.T) {
-	t.Helper()
-	require.NoError(t, syscall.Kill(sc.srv.Pid(), syscall.SIGSTOP))
-	lim := throttle.PerSecond(1000, 1000)
-	leasetest.WaitFor(t, func() bool {
-		_, _ = sc.eng.Allow(context.Background(), "c48b-u", lim)
-		open, _ := sc.eng.Unavailable()
-		return open
-	})
-}
+func (sc *c48bScene) pause(t *testing.T) { t.Helper(); leasetest.Pause(t, sc.srv, sc.eng) }
 
-func (sc *c48bScene) resume(t *testing.T) {
-	t.Helper()
-	require.NoError(t, syscall.Kill(sc.srv.Pid(), syscall.SIGCONT))
-	lim := throttle.PerSecond(1000, 1000)
-	redistest.UntilOK(t, func() error { _, err := sc.aEng.Allow(context.Background(), "c48b-v", lim); return err })
-}
+func (sc *c48bScene) resume(t *testing.T) { t.Helper(); leasetest.Resume(t, sc.srv, sc.aEng) }
 
 // TestReviewClose48bHeldLeases: B (engine timeout 50 ms, 1 s in the
 // control, TTL 20 s) holds

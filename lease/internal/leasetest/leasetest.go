@@ -379,3 +379,24 @@ func AcquireAsync(ctx context.Context, e *Env, s *lease.Semaphore, who, key stri
 		got <- Got{Who: who, L: l, Err: err, At: RedisNow(e.Rdb)}
 	}()
 }
+
+// Pause stops srv (SIGSTOP: connections are accepted, nothing answers)
+// and waits until eng's breaker is open, opened by eng's calls.
+func Pause(t *testing.T, srv *redistest.Server, eng *throttle.Engine) {
+	t.Helper()
+	require.NoError(t, syscall.Kill(srv.Pid(), syscall.SIGSTOP))
+	lim := throttle.PerSecond(1000, 1000)
+	WaitFor(t, func() bool {
+		_, _ = eng.Allow(context.Background(), "leasetest-pause", lim)
+		open, _ := eng.Unavailable()
+		return open
+	})
+}
+
+// Resume resumes srv, stopped by Pause, and waits until it answers eng.
+func Resume(t *testing.T, srv *redistest.Server, eng *throttle.Engine) {
+	t.Helper()
+	require.NoError(t, syscall.Kill(srv.Pid(), syscall.SIGCONT))
+	lim := throttle.PerSecond(1000, 1000)
+	redistest.UntilOK(t, func() error { _, err := eng.Allow(context.Background(), "leasetest-resume", lim); return err })
+}
