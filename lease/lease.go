@@ -344,15 +344,20 @@ func (l *Lease) Release(ctx context.Context) error {
 	l.released = true
 	l.timer.Stop()
 	wasLost := l.wasLost
-	if r := s.rooms[l.key]; r != nil && r.holds[l.id] == l {
+	r := s.rooms[l.key]
+	if r != nil && r.holds[l.id] == l {
 		delete(r.holds, l.id)
 		s.obs.ObserveHeld(s.name, -1)
+	}
+	if r != nil && !wasLost {
+		r.out++ // the room stays while the call is out: see released
 	}
 	s.mu.Unlock()
 	if wasLost {
 		return ErrLost
 	}
 	reply, err := s.run(ctx, releaseScript, l.key, l.id)
+	s.released(r, l, err)
 	if err != nil {
 		return fmt.Errorf("lease: release %q: %w", l.key, err)
 	}
@@ -361,6 +366,32 @@ func (l *Lease) Release(ctx context.Context) error {
 		return ErrLost
 	}
 	return nil
+}
+
+// released follows l's release call, which returned err; r is l's room
+// (nil if it had none), kept while the call was out (room.out). If the
+// call failed once Close had begun, the room owes l's leave call, which
+// its keeper sends as it sends a gone waiter's (leave.lua gives back a
+// lease its id holds, as release.lua does, and does nothing once it is
+// released): Close gives back every lease held when it began, or granted
+// as it did, whichever release failed, the holder's, Acquire's handing
+// back a grant, or Close's own (helper-143, helper-144). A release that
+// fails before Close leaves its lease to lapse (see Release).
+func (s *Semaphore) released(r *room, l *Lease, err error) {
+	if r == nil {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r.out--
+	if err != nil && s.closed {
+		s.leavingLocked(r, l.id, 0) // wakes the keeper
+	} else if r.out == 0 {
+		select { // the room may be empty now
+		case r.wake <- struct{}{}:
+		default:
+		}
+	}
 }
 
 // lostBy returns when a lease that Redis holds until held at least (on
@@ -527,9 +558,11 @@ func (s *Semaphore) handOut(ctx context.Context, l *Lease, start time.Time) (*Le
 // leave the queue), held leases are released (their Lost is closed, and
 // their Release is then a no-op) and no longer extended, and Close waits
 // for the goroutines that extend leases and wake waiters, or for ctx to
-// end. It returns the errors of the releases; a lease whose release
-// failed is given back by a leave call of its own, sent as a gone
-// waiter's is (below). Close is idempotent.
+// end. It returns the errors of its releases; a lease whose release
+// fails once Close has begun (Close's, its holder's, or an Acquire's
+// handing back a lease granted as Close began) is given back by a leave
+// call of its own, sent as a gone waiter's is (below). Close is
+// idempotent.
 //
 // Before it returns, the leave call of every waiter that has gone (given
 // up, or ended by Close) is sent: those out when Close begins are waited
@@ -570,7 +603,6 @@ func (s *Semaphore) Close(ctx context.Context) error {
 	for _, r := range s.rooms {
 		for _, l := range r.holds {
 			held = append(held, l)
-			r.out++ // its release keeps the room: see closeReleased
 		}
 		if r.blocking {
 			blocked = append(blocked, s.wakeList(r.key))
@@ -597,7 +629,6 @@ func (s *Semaphore) Close(ctx context.Context) error {
 				errs = append(errs, err)
 				emu.Unlock()
 			}
-			s.closeReleased(l, err)
 			s.markLost(l) // the holder should stop: the lease is given back
 		})
 	}
@@ -660,27 +691,6 @@ type grant struct {
 // lapsed leases it swept.
 func (s *Semaphore) run(ctx context.Context, script *throttle.Script, key string, args ...any) (reply, error) {
 	return s.runCall(ctx, false, script, key, args...)
-}
-
-// closeReleased follows Close's release of l, which returned err: the
-// room, kept while the release was out (room.out), owes l's leave call if
-// the release failed (leave.lua gives back a lease its waiter holds, as
-// release.lua does, and does nothing once it is released), for its keeper
-// to send as it sends a gone waiter's: a Close that gave up leaves it
-// owed, and a retry sends it (helper-143).
-func (s *Semaphore) closeReleased(l *Lease, err error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	r := s.rooms[l.key]
-	r.out--
-	if err != nil && !errors.Is(err, ErrLost) {
-		s.leavingLocked(r, l.id, 0) // wakes the keeper
-	} else if r.out == 0 {
-		select { // the room may be empty now
-		case r.wake <- struct{}{}:
-		default:
-		}
-	}
 }
 
 // runCall is run; if past, the engine's open breaker does not refuse the

@@ -35,8 +35,10 @@ type room struct {
 	// call reports the grant with the time Redis has left on it.
 	check bool
 	// out counts the leave calls out that gone waiters send themselves
-	// (abandon's): the room, and so its keeper, which Close waits for,
-	// stays while they are, to send again those that fail.
+	// (abandon's), and the release calls out (Release's): the room, and
+	// so its keeper, which Close waits for, stays while they are, to send
+	// again those that fail (a release, once Close has begun: see
+	// released).
 	out int
 	// keeping is set while its keeper runs: it ends once every Close
 	// under way has given up, and the room stays with what it owes, for
