@@ -582,10 +582,9 @@ func (s *Semaphore) Close(ctx context.Context) error {
 	s.closers++ // from the start: a Close given up meanwhile must not give up for this one (helper-135)
 	if s.gaveUp {
 		// A retry of a Close that gave up: the keepers it ended, keeping
-		// what their rooms owe, start afresh and send it.
-		// Redis was judged away (if it was) for the Close that gave up:
-		// this one judges afresh, or it would drop unsent what it is to
-		// send, Redis answering (helper-142).
+		// what their rooms owe, start afresh and send it, judging afresh
+		// whether Redis is away (a judgement made for the Close that gave
+		// up would have them drop it unsent, Redis answering: helper-142).
 		s.gaveUp, s.giveUp, s.away = false, make(chan struct{}), 0
 		s.keepers = append(s.keepers, new(sync.WaitGroup))
 		for _, r := range s.rooms {

@@ -672,16 +672,9 @@ func (e *Engine) take(ctx context.Context, key, lbl string) (turn, error) {
 	if e.cluster != nil && !cached {
 		now = time.Now() // the lookup may have read the cluster's slot map
 	}
-	past := false
-	switch {
-	case !ok:
-		if past = pastBreaker(ctx) && ref.b.past.CompareAndSwap(false, true); !past {
-			return turn{}, errBreakerOpen
-		}
-	case probe && pastBreaker(ctx):
-		// The probe, a call past the breaker: it holds the place past it
-		// too, so that no second such call goes beside it (helper-136).
-		past = ref.b.past.CompareAndSwap(false, true)
+	past, refused := claimPast(ctx, ref.b, ok, probe)
+	if refused {
+		return turn{}, errBreakerOpen
 	}
 	if gate := ref.gate; gate != nil {
 		select {
@@ -706,18 +699,29 @@ func (e *Engine) take(ctx context.Context, key, lbl string) (turn, error) {
 			// token back): look again, so that calls queued for a
 			// connection do not go to a dead node one pool's worth at a
 			// time, each paying the timeout. An atomic load while closed.
-			switch ok, probe = e.breakers.allowB(ref.b); {
-			case !ok:
-				if past = pastBreaker(ctx) && ref.b.past.CompareAndSwap(false, true); !past {
-					<-gate
-					return turn{}, errBreakerOpen
-				}
-			case probe && pastBreaker(ctx):
-				past = ref.b.past.CompareAndSwap(false, true)
+			ok, probe = e.breakers.allowB(ref.b)
+			if past, refused = claimPast(ctx, ref.b, ok, probe); refused {
+				<-gate
+				return turn{}, errBreakerOpen
 			}
 		}
 	}
 	return turn{ref: ref, probe: probe, past: past, start: now}, nil
+}
+
+// claimPast tells a call that b's breaker judged (ok, probe) whether it
+// holds the place past the open breaker (past: a RunScriptPastBreaker
+// call the breaker refused, or one that is its probe, so that no second
+// such call goes beside it: helper-136), and whether it is refused (the
+// breaker refused it, and it may not go past: not such a call, or
+// another holds the place). A call the breaker lets by as usual pays one
+// test.
+func claimPast(ctx context.Context, b *breaker, ok, probe bool) (past, refused bool) {
+	if ok && !probe {
+		return false, false
+	}
+	past = pastBreaker(ctx) && b.past.CompareAndSwap(false, true)
+	return past, !ok && !past
 }
 
 // exec runs s on the prefixed keys full in turn t, within the timeout, and
