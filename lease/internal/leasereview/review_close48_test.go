@@ -140,12 +140,7 @@ func c48Setup(t *testing.T, cfg c48Cfg) *c48Scene {
 		cfg.poll = 100 * time.Millisecond
 	}
 	sc := &c48Scene{hook: newC48Hook()}
-	if cfg.own {
-		sc.srv = redistest.Start(t)
-	} else {
-		sc.srv = redistest.Shared(t)
-		sc.srv.RequireReal(t)
-	}
+	sc.srv = leasetest.Server(t, cfg.own)
 	sc.rdb = sc.srv.Client(t)
 	sc.prefix = redistest.Prefix(t)
 	var err error
@@ -156,17 +151,7 @@ func c48Setup(t *testing.T, cfg c48Cfg) *c48Scene {
 		require.NoError(t, err)
 		leasetest.CloseAtEnd(t, sc.a)
 	}
-	var c *redis.Client
-	if cfg.latency > 0 {
-		sc.proxy = redistest.NewProxy(t, sc.srv.Addr)
-		sc.proxy.SetLatency(cfg.latency)
-		c = sc.proxy.Client(t, sc.srv)
-	} else {
-		c = sc.srv.Client(t)
-	}
-	c.AddHook(sc.hook)
-	sc.eng, err = throttle.New(c, throttle.WithPrefix(sc.prefix), throttle.WithTimeout(cfg.timeout))
-	require.NoError(t, err)
+	sc.eng, sc.proxy = leasetest.Hooked(t, sc.srv, sc.prefix, cfg.timeout, cfg.latency, sc.hook)
 	sc.b, err = lease.New(sc.eng, "partner", 1, lease.WithTTL(cfg.ttl), lease.WithPollInterval(cfg.poll))
 	require.NoError(t, err)
 	leasetest.CloseAtEnd(t, sc.b)

@@ -224,12 +224,7 @@ func c48bSetup(t *testing.T, cfg c48bCfg) *c48bScene {
 		cfg.poll = 100 * time.Millisecond
 	}
 	sc := &c48bScene{hook: newC48bHook(t)}
-	if cfg.own {
-		sc.srv = redistest.Start(t)
-	} else {
-		sc.srv = redistest.Shared(t)
-		sc.srv.RequireReal(t)
-	}
+	sc.srv = leasetest.Server(t, cfg.own)
 	sc.rdb = sc.srv.Client(t)
 	sc.prefix = redistest.Prefix(t)
 	var err error
@@ -241,17 +236,7 @@ func c48bSetup(t *testing.T, cfg c48bCfg) *c48bScene {
 	// Loaded first: a lost reply's call into a paused server runs once it
 	// is resumed, as NOSCRIPT unless the scripts are there (a known limit).
 	redistest.UntilOK(t, func() error { return sc.a.Load(ctx) })
-	var c *redis.Client
-	if cfg.latency > 0 {
-		sc.proxy = redistest.NewProxy(t, sc.srv.Addr)
-		sc.proxy.SetLatency(cfg.latency)
-		c = sc.proxy.Client(t, sc.srv)
-	} else {
-		c = sc.srv.Client(t)
-	}
-	c.AddHook(sc.hook)
-	sc.eng, err = throttle.New(c, throttle.WithPrefix(sc.prefix), throttle.WithTimeout(cfg.timeout))
-	require.NoError(t, err)
+	sc.eng, sc.proxy = leasetest.Hooked(t, sc.srv, sc.prefix, cfg.timeout, cfg.latency, sc.hook)
 	sc.b, err = lease.New(sc.eng, "partner", 1, lease.WithTTL(cfg.ttl), lease.WithPollInterval(cfg.poll))
 	require.NoError(t, err)
 	leasetest.CloseAtEnd(t, sc.b)

@@ -157,6 +157,41 @@ func Direct(t *testing.T, e *Env, timeout time.Duration, hooks ...redis.Hook) *t
 	return eng
 }
 
+// Server returns a redis-server of the test's own if own (to pause or
+// stop it), else the shared one, which must be a real redis-server.
+func Server(t *testing.T, own bool) *redistest.Server {
+	t.Helper()
+	if own {
+		return redistest.Start(t)
+	}
+	srv := redistest.Shared(t)
+	srv.RequireReal(t)
+	return srv
+}
+
+// Hooked returns an engine (on prefix, with the given timeout) over a
+// client of srv of its own with hook added: direct, or through a proxy
+// adding latency each way if latency is not zero (the proxy is returned,
+// else nil).
+func Hooked(t *testing.T, srv *redistest.Server, prefix string, timeout, latency time.Duration, hook redis.Hook) (*throttle.Engine, *redistest.Proxy) {
+	t.Helper()
+	var (
+		c *redis.Client
+		p *redistest.Proxy
+	)
+	if latency > 0 {
+		p = redistest.NewProxy(t, srv.Addr)
+		p.SetLatency(latency)
+		c = p.Client(t, srv)
+	} else {
+		c = srv.Client(t)
+	}
+	c.AddHook(hook)
+	eng, err := throttle.New(c, throttle.WithPrefix(prefix), throttle.WithTimeout(timeout))
+	require.NoError(t, err)
+	return eng, p
+}
+
 // SemOn builds a Semaphore named partner on eng, closed (within 5 s) when
 // the test ends.
 func SemOn(t *testing.T, eng *throttle.Engine, n int, opts ...lease.Option) *lease.Semaphore {
