@@ -116,10 +116,13 @@ type Semaphore struct {
 	// earlier Close's, must not be added to). Goroutines join the last;
 	// Close waits for them all.
 	keepers []*sync.WaitGroup
-	// away counts the leave rounds after Close in a row, over every
-	// room, that found Redis away: a call was let through and reached no
-	// Redis, none reached it, and the breaker is open (see sendLeaves).
-	away int
+	// away counts, by Redis node (throttle.Engine.Node), the leave rounds
+	// after Close in a row, over the rooms of the node's keys, that found
+	// it away: a call was let through and reached no Redis, none reached
+	// it, and the node's breaker is open (see sendLeaves). By node: a
+	// Cluster master that answers is not away because another is stopped
+	// (helper-146, TestReviewAway49HealthyMasterDropped).
+	away map[string]int
 }
 
 // blocker is what the wake-up needs of the go-redis clients (Client,
@@ -571,8 +574,9 @@ func (s *Semaphore) handOut(ctx context.Context, l *Lease, start time.Time) (*Le
 // one that reaches no Redis is sent again, until it reaches Redis or its
 // waiter's TTL has passed (Redis has then dropped the waiter). Only when
 // Redis is away (two rounds in a row reach none of it, a call let by the
-// breaker failing, the breaker open after) are they dropped, and Redis
-// drops their waiters within the TTL. ctx bounds the wait: once every
+// breaker failing, the breaker open after; with a Cluster, judged master
+// by master) are they dropped, and Redis drops their waiters within the
+// TTL. ctx bounds the wait: once every
 // Close under way has returned with its ctx's error, the keepers end, and
 // the calls still owed wait for a Close called after (a retry), which
 // sends them as the first would have, judging afresh whether Redis is
@@ -585,7 +589,8 @@ func (s *Semaphore) Close(ctx context.Context) error {
 		// what their rooms owe, start afresh and send it, judging afresh
 		// whether Redis is away (a judgement made for the Close that gave
 		// up would have them drop it unsent, Redis answering: helper-142).
-		s.gaveUp, s.giveUp, s.away = false, make(chan struct{}), 0
+		s.gaveUp, s.giveUp = false, make(chan struct{})
+		clear(s.away)
 		s.keepers = append(s.keepers, new(sync.WaitGroup))
 		for _, r := range s.rooms {
 			if !r.keeping {

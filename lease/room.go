@@ -312,21 +312,28 @@ func (s *Semaphore) leavingLocked(r *room, id string, spare int64) {
 // breaker, a refused dial, no connection in time) does not count as
 // tried: again reports that some are owed, and the keeper sends them
 // again a moment on. A round none of whose calls reached Redis, one of
-// them let by the breaker and the breaker open after, says Redis is away;
-// after two such rounds in a row over the Semaphore's rooms, with no call
-// reaching Redis between them, the calls owed are dropped (each room's at
-// its next round, unsent): their waiters leave Redis's queue within the
-// TTL, unrefreshed. Once every Close under way has given up (its ctx
+// them let by the breaker and the breaker open after, says Redis is away
+// (the room's node: throttle.Engine.Node, a Cluster's master); after two
+// such rounds in a row over the rooms of the node's keys, with no call
+// reaching the node between them, the calls owed to it are dropped (each
+// room's at its next round, unsent): their waiters leave Redis's queue
+// within the TTL, unrefreshed. Another node's rooms go on sending
+// (helper-146: a master that answers is not away because another is
+// stopped). Once every Close under way has given up (its ctx
 // ended: giveUp), the keeper ends and the calls owed wait for a later
 // Close (see keep).
 func (s *Semaphore) sendLeaves(r *room) (again bool) {
+	// The node of the room's key: Redis is judged away node by node (see
+	// below), for a Cluster's masters answer or not one by one.
+	node := s.eng.Node(context.Background(), s.holdersKey(r.key))
 	s.mu.Lock()
 	closed := s.closed
-	// Redis judged away (see below): what is owed is dropped unsent. Each
-	// keeper's round sending one more call past the breaker to a stopped
-	// Redis would fail the client's dials one after another, and trip
-	// go-redis's dial lockout (CI, stop 47: TestReviewClose47cStoppedManyKeys).
-	away := closed && s.away >= 2
+	// The room's node judged away (see below): what is owed is dropped
+	// unsent. Each keeper's round sending one more call past the breaker
+	// to a stopped Redis would fail the client's dials one after another,
+	// and trip go-redis's dial lockout (CI, stop 47:
+	// TestReviewClose47cStoppedManyKeys).
+	away := closed && s.away[node] >= 2
 	ids := make([]string, 0, len(r.leaving))
 	sent := make([]gone, 0, len(r.leaving))
 	for id, g := range r.leaving {
@@ -408,14 +415,17 @@ func (s *Semaphore) sendLeaves(r *room) (again bool) {
 	defer s.mu.Unlock()
 	switch {
 	case reached:
-		s.away = 0
+		delete(s.away, node)
 	case open:
-		s.away++
+		if s.away == nil {
+			s.away = make(map[string]int)
+		}
+		s.away[node]++
 	}
-	if !refused || s.away < 2 {
+	if !refused || s.away[node] < 2 {
 		return refused // what is owed waits for the next round, or for a later Close if this one gave up
 	}
-	for i, id := range ids { // Redis away twice in a row
+	for i, id := range ids { // the room's node away twice in a row
 		if g, ok := r.leaving[id]; ok && covers(g, sent[i], issued[i]) {
 			delete(r.leaving, id)
 		}

@@ -533,6 +533,19 @@ func (e *Engine) UnavailableFor(ctx context.Context, key string) (bool, time.Dur
 	return e.breakers.stateOf(e.node(ctx, e.prefix+key))
 }
 
+// Node names the Redis node that holds key (as given to the engine's
+// other methods, before the prefix): the failure domain with a breaker of
+// its own, named as NodeObserver names it (a Cluster master's address, or
+// "cluster" while the slot map cannot be read; a plain client's address;
+// "redis" for another kind of client). Keys of one name share a breaker,
+// so a judgement that Redis is away, made from calls for one key, holds
+// for the others of its node and no further (package lease counts its
+// leave rounds that found Redis away by node). It makes no Redis call in
+// the cases UnavailableFor makes none.
+func (e *Engine) Node(ctx context.Context, key string) string {
+	return e.node(ctx, e.prefix+key)
+}
+
 // node names the Redis node (the failure domain, with a breaker of its
 // own) that holds the prefixed key: for a Cluster, the address of the
 // master that owns the key's slot, as far as the client's slot map knows

@@ -94,6 +94,10 @@ func TestClusterNodeDown(t *testing.T) {
 		redistest.UntilOK(t, func() error { _, err := eng.Allow(ctx, s, lim); return err })
 	}
 	require.Empty(t, log.getNodes(), "no breaker opened while every master was up")
+	// Node names each subject's master as the observer names its breaker.
+	for i, s := range append([]string{dead}, healthy...) {
+		require.Equal(t, cluster.Addrs[i], eng.Node(ctx, s), "the node of %s", s)
+	}
 
 	cluster.Node(0).Stop()
 	_, err = eng.Allow(ctx, dead, lim)
@@ -113,6 +117,7 @@ func TestClusterNodeDown(t *testing.T) {
 	open, _ = eng.Unavailable()
 	require.True(t, open, "Unavailable: some node is")
 	require.Equal(t, []nodeChange{{cluster.Addrs[0], true}}, log.getNodes(), "only the stopped master's breaker opened")
+	require.Equal(t, cluster.Addrs[0], eng.Node(ctx, dead), "the stopped master still holds its slots in the client's map")
 	require.Equal(t, []bool{true}, log.get(), "the engine-wide report: the first breaker opened")
 }
 
@@ -244,4 +249,16 @@ func scriptCalls(t *testing.T, node *redis.Client) int64 {
 		}
 	}
 	return 0
+}
+
+// TestNodePlainClient: with a plain client every key's node is the
+// client's address, the name its one breaker is reported under.
+func TestNodePlainClient(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Shared(t)
+	eng, err := throttle.New(srv.Client(t), throttle.WithPrefix(redistest.Prefix(t)))
+	require.NoError(t, err)
+	for _, k := range []string{"a", "b:{x}", "c"} {
+		require.Equal(t, srv.Addr, eng.Node(context.Background(), k))
+	}
 }
