@@ -79,6 +79,10 @@
 // queue, and for one granted and released meanwhile; that leave call
 // gives back only a grant made after the release, never the lease
 // released, whose release call it may overtake.
+// And it does the same for a lease whose Release failed (its ctx ended,
+// Redis unreachable): the lease's leave call goes every poll interval
+// until it reaches Redis, so the lease is given back once Redis answers,
+// not held from the others until the TTL.
 //
 // # Cost
 //

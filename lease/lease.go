@@ -335,8 +335,13 @@ func (l *Lease) Lost() <-chan struct{} { return l.lost }
 
 // Release gives the lease back and wakes the next waiter, in one Redis
 // call. It returns ErrLost if the lease had lapsed, and nil if it was
-// released before. If the call fails, the lease is no longer extended and
-// lapses after the TTL.
+// released before. If the call fails (ctx ended, Redis unreachable), it
+// returns the error, the lease is no longer extended, and the Semaphore
+// gives it back with a leave call of its own, as it does a gone waiter's:
+// at each poll interval until one reaches Redis (Close sends it too), or
+// until the TTL has passed and Redis has let the lease lapse. A leave call
+// gives back only the lease it names, so one that comes after the release
+// has run (its reply lost) does nothing.
 func (l *Lease) Release(ctx context.Context) error {
 	s := l.sem
 	s.mu.Lock()
@@ -373,13 +378,14 @@ func (l *Lease) Release(ctx context.Context) error {
 
 // released follows l's release call, which returned err; r is l's room
 // (nil if it had none), kept while the call was out (room.out). If the
-// call failed once Close had begun, the room owes l's leave call, which
-// its keeper sends as it sends a gone waiter's (leave.lua gives back a
-// lease its id holds, as release.lua does, and does nothing once it is
-// released): Close gives back every lease held when it began, or granted
-// as it did, whichever release failed, the holder's, Acquire's handing
-// back a grant, or Close's own (helper-143, helper-144). A release that
-// fails before Close leaves its lease to lapse (see Release).
+// call failed, the room owes l's leave call, which its keeper sends as it
+// sends a gone waiter's (leave.lua gives back a lease its id holds, as
+// release.lua does, and does nothing once it is released): the lease is
+// given back once Redis answers, not left to lapse after the TTL
+// (TestFailedReleaseGivesBack), and Close gives back every lease held
+// when it began, or granted as it did, whichever release failed, the
+// holder's, Acquire's handing back a grant, or Close's own (helper-143,
+// helper-144).
 func (s *Semaphore) released(r *room, l *Lease, err error) {
 	if r == nil {
 		return
@@ -387,7 +393,7 @@ func (s *Semaphore) released(r *room, l *Lease, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	r.out--
-	if err != nil && s.closed {
+	if err != nil {
 		s.leavingLocked(r, l.id, 0) // wakes the keeper
 	} else if r.out == 0 {
 		select { // the room may be empty now
