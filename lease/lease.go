@@ -120,8 +120,9 @@ type Semaphore struct {
 	// after Close in a row, over the rooms of the node's keys, that found
 	// it away: a call was let through and reached no Redis, none reached
 	// it, and the node's breaker is open (see sendLeaves). By node: a
-	// Cluster master that answers is not away because another is stopped
-	// (helper-146, TestReviewAway49HealthyMasterDropped).
+	// Cluster master, or a Ring shard, that answers is not away because
+	// another is stopped (helper-146, TestReviewAway49HealthyMasterDropped;
+	// helper-147, TestReviewAway49bRingShardStopped).
 	away map[string]int
 }
 
@@ -580,8 +581,8 @@ func (s *Semaphore) handOut(ctx context.Context, l *Lease, start time.Time) (*Le
 // one that reaches no Redis is sent again, until it reaches Redis or its
 // waiter's TTL has passed (Redis has then dropped the waiter). Only when
 // Redis is away (two rounds in a row reach none of it, a call let by the
-// breaker failing, the breaker open after; with a Cluster, judged master
-// by master) are they dropped, and Redis drops their waiters within the
+// breaker failing, the breaker open after; judged master by master for a
+// Cluster, shard by shard for a Ring) are they dropped, and Redis drops their waiters within the
 // TTL. ctx bounds the wait: once every
 // Close under way has returned with its ctx's error, the keepers end, and
 // the calls still owed wait for a Close called after (a retry), which

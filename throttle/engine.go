@@ -533,16 +533,24 @@ func (e *Engine) UnavailableFor(ctx context.Context, key string) (bool, time.Dur
 	return e.breakers.stateOf(e.node(ctx, e.prefix+key))
 }
 
-// Node names the Redis node that holds key (as given to the engine's
-// other methods, before the prefix): the failure domain with a breaker of
-// its own, named as NodeObserver names it (a Cluster master's address, or
-// "cluster" while the slot map cannot be read; a plain client's address;
-// "redis" for another kind of client). Keys of one name share a breaker,
-// so a judgement that Redis is away, made from calls for one key, holds
-// for the others of its node and no further (package lease counts its
-// leave rounds that found Redis away by node). It makes no Redis call in
-// the cases UnavailableFor makes none.
+// Node names the Redis server that holds key (as given to the engine's
+// other methods, before the prefix): a Cluster master's address (or
+// "cluster" while the slot map cannot be read), a Ring shard's address
+// (or "redis" if the Ring has no shard up), a plain client's address, or
+// "redis" for another kind of client. Except for a Ring, it is the
+// failure domain with a breaker of its own, named as NodeObserver names
+// it; a Ring's shards share one breaker, "redis" (see UnavailableFor).
+// Keys of one name go to one server, so a judgement that Redis is away,
+// made from calls for one key, holds for the others of its name and no
+// further: package lease counts its leave rounds that found Redis away
+// by Node (helper-146, helper-147). It makes no Redis call in the cases
+// UnavailableFor makes none, nor for a Ring.
 func (e *Engine) Node(ctx context.Context, key string) string {
+	if r, ok := e.rdb.(*redis.Ring); ok {
+		if c, err := r.GetShardClientForKey(e.prefix + key); err == nil {
+			return c.Options().Addr
+		}
+	}
 	return e.node(ctx, e.prefix+key)
 }
 

@@ -262,3 +262,26 @@ func TestNodePlainClient(t *testing.T) {
 		require.Equal(t, srv.Addr, eng.Node(context.Background(), k))
 	}
 }
+
+// TestNodeRing: with a Ring, a key's node is the address of the shard the
+// Ring sends it to (under the engine's prefix), and keys spread over both
+// shards.
+func TestNodeRing(t *testing.T) {
+	t.Parallel()
+	a, b := redistest.Start(t), redistest.Start(t)
+	ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": a.Addr, "b": b.Addr}, ContextTimeoutEnabled: true})
+	t.Cleanup(func() { _ = ring.Close() })
+	prefix := redistest.Prefix(t)
+	eng, err := throttle.New(ring, throttle.WithPrefix(prefix))
+	require.NoError(t, err)
+	seen := map[string]int{}
+	for i := range 64 {
+		k := "k" + strconv.Itoa(i)
+		c, err := ring.GetShardClientForKey(prefix + k)
+		require.NoError(t, err)
+		node := eng.Node(context.Background(), k)
+		require.Equal(t, c.Options().Addr, node, "the node of %s", k)
+		seen[node]++
+	}
+	require.Len(t, seen, 2, "64 keys over two shards: %v", seen)
+}
