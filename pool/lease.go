@@ -118,7 +118,8 @@ func (p *Pool) releaseLeaseLocked(j *Job) {
 		// The job's context may have ended: keep its values, not its end.
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(j.ctx), 5*time.Second)
 		defer cancel()
-		// A failed release lapses after the lease's TTL.
+		// A failed release is given back by the Semaphore's own leave
+		// call once Redis answers (see lease.Lease.Release).
 		_ = l.Release(ctx)
 	}()
 }
