@@ -195,10 +195,10 @@ func TestReviewAway49HealthyMasterDropped(t *testing.T) {
 			time.Sleep(300 * time.Millisecond)
 			open1, _ := eng.UnavailableFor(ctx, "partner:{"+kb+"}:lease:h")
 			close(hook.release)
-			cerr := sp45Wait(t, done, "B's Close")
+			cerr := leasetest.Recv(t, done, "B's Close")
 			took := time.Since(start)
 			for range keys {
-				require.ErrorIs(t, sp45Wait(t, got, "B's Acquire"), lease.ErrClosed)
+				require.ErrorIs(t, leasetest.Recv(t, got, "B's Acquire"), lease.ErrClosed)
 			}
 			wsB, _ := c48bStanding(ca, prefix, []string{kb})
 			time.Sleep(time.Second)

@@ -73,7 +73,7 @@ func TestReviewAway49bSingleStoppedManyKeys(t *testing.T) {
 	err := sc.b.Close(ctx)
 	took := time.Since(start)
 	for range nk * w {
-		require.ErrorIs(t, sp45Wait(t, sc.got, "B's Acquire"), lease.ErrClosed)
+		require.ErrorIs(t, leasetest.Recv(t, sc.got, "B's Acquire"), lease.ErrClosed)
 	}
 	time.Sleep(500 * time.Millisecond) // a keeper's round after Close returned would show here
 	p1, f1 := aw49bLeaves(sc.hook)
@@ -235,7 +235,7 @@ func TestReviewAway49bClusterTwoStopped(t *testing.T) {
 			cerr := b.Close(ctx)
 			took := time.Since(start)
 			for range len(all) * w {
-				require.Error(t, sp45Wait(t, got, "B's Acquire"))
+				require.Error(t, leasetest.Recv(t, got, "B's Acquire"))
 			}
 			ws2, _ := c48bStanding(m2, prefix, byNode[2])
 			info, _ := m2.ClusterInfo(ctx).Result()
@@ -353,10 +353,10 @@ func TestReviewAway49bRingShardStopped(t *testing.T) {
 			}
 			time.Sleep(300 * time.Millisecond)
 			close(hook.release)
-			cerr := sp45Wait(t, done, "B's Close")
+			cerr := leasetest.Recv(t, done, "B's Close")
 			took := time.Since(start)
 			for range 2 {
-				require.Error(t, sp45Wait(t, got, "B's Acquire"))
+				require.Error(t, leasetest.Recv(t, got, "B's Acquire"))
 			}
 			wsB, _ := c48bStanding(c1, prefix, []string{kb})
 			time.Sleep(time.Second)

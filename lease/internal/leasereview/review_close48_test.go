@@ -216,7 +216,7 @@ func (sc *c48Scene) standing() int {
 func (sc *c48Scene) acquiresDone(t *testing.T, n int) {
 	t.Helper()
 	for range n {
-		require.Error(t, sp45Wait(t, sc.got, "B's Acquire"))
+		require.Error(t, leasetest.Recv(t, sc.got, "B's Acquire"))
 	}
 }
 
@@ -323,7 +323,7 @@ func TestReviewClose48RetryRace(t *testing.T) {
 		var firstErr error
 		switch mode {
 		case 0:
-			firstErr = sp45Wait(t, first, "the first Close")
+			firstErr = leasetest.Recv(t, first, "the first Close")
 			start(true, ctx, 0)
 		case 1:
 			start(true, ctx, time.Duration(rand.IntN(26))*time.Millisecond)
@@ -338,14 +338,14 @@ func TestReviewClose48RetryRace(t *testing.T) {
 			start(false, done, time.Duration(rand.IntN(26))*time.Millisecond)
 		}
 		if mode != 0 {
-			firstErr = sp45Wait(t, first, "the first Close")
+			firstErr = leasetest.Recv(t, first, "the first Close")
 		}
 		fcancel()
 		if firstErr != nil {
 			gaveUp++
 		}
 		for i, ch := range res {
-			r := sp45Wait(t, ch, "a retry Close")
+			r := leasetest.Recv(t, ch, "a retry Close")
 			if r.bg {
 				assert.NoError(t, r.err, "round %d mode %d: retry Close %d (Background)", round, mode, i)
 			}
@@ -401,11 +401,11 @@ func TestReviewClose48OwnLeaveOutAtGiveUp(t *testing.T) {
 				h.mode.Store(c48Pass)
 				close(h.gate)
 				start := time.Now()
-				require.NoError(t, sp45Wait(t, first, "the Background Close"))
+				require.NoError(t, leasetest.Recv(t, first, "the Background Close"))
 				took = time.Since(start)
 			case "failBefore":
 				fcancel()
-				require.ErrorIs(t, sp45Wait(t, first, "the first Close"), context.Canceled, "premise: the first Close gave up")
+				require.ErrorIs(t, leasetest.Recv(t, first, "the first Close"), context.Canceled, "premise: the first Close gave up")
 				time.Sleep(300 * time.Millisecond)
 				h.mode.Store(c48Pass)
 				close(h.gate)
@@ -415,11 +415,11 @@ func TestReviewClose48OwnLeaveOutAtGiveUp(t *testing.T) {
 				retry = make(chan error, 1)
 				start := time.Now()
 				go func() { retry <- sc.b.Close(ctx) }()
-				require.NoError(t, sp45Wait(t, retry, "the retry Close"))
+				require.NoError(t, leasetest.Recv(t, retry, "the retry Close"))
 				took = time.Since(start)
 			case "failDuring":
 				fcancel()
-				require.ErrorIs(t, sp45Wait(t, first, "the first Close"), context.Canceled, "premise: the first Close gave up")
+				require.ErrorIs(t, leasetest.Recv(t, first, "the first Close"), context.Canceled, "premise: the first Close gave up")
 				time.Sleep(300 * time.Millisecond)
 				h.mode.Store(c48Pass)
 				retry = make(chan error, 1)
@@ -432,7 +432,7 @@ func TestReviewClose48OwnLeaveOutAtGiveUp(t *testing.T) {
 				default:
 				}
 				close(h.gate)
-				require.NoError(t, sp45Wait(t, retry, "the retry Close"))
+				require.NoError(t, leasetest.Recv(t, retry, "the retry Close"))
 				took = time.Since(start)
 			}
 			if variant != "failBefore" {
@@ -491,7 +491,7 @@ func TestReviewClose48AwayThenBack(t *testing.T) {
 				go func() { done <- sc.b.Close(ctx) }()
 				time.Sleep(300 * time.Millisecond)
 				h.mode.Store(c48Pass)
-				first = sp45Wait(t, done, "the Background Close")
+				first = leasetest.Recv(t, done, "the Background Close")
 				sc.acquiresDone(t, nk*w)
 				left := sc.standing()
 				t.Logf("control: the Background Close with Redis away returned %v; standing %d of %d (dropped, as documented); leave calls answered %d", first, left, nk*w, h.leaveOK.Load())
@@ -571,7 +571,7 @@ func TestReviewClose48StaleAwayAtRetry(t *testing.T) {
 		return open && last > k && time.Since(since) > 300*time.Millisecond
 	})
 	cancel()
-	require.ErrorIs(t, sp45Wait(t, first, "the first Close"), context.Canceled, "premise: the first Close gave up")
+	require.ErrorIs(t, leasetest.Recv(t, first, "the first Close"), context.Canceled, "premise: the first Close gave up")
 	close(h.gate0)
 	leasetest.WaitFor(t, func() bool { return h.done0.Load() == w })
 	h.away.Store(false)
@@ -681,7 +681,7 @@ func TestReviewClose48NoRetrySettles(t *testing.T) {
 			}
 			sc.hook.mode.Store(c48Pass)
 			for range nk * w {
-				require.Error(t, sp45Wait(t, sc.got, "B's Acquire"))
+				require.Error(t, leasetest.Recv(t, sc.got, "B's Acquire"))
 			}
 		})
 	}

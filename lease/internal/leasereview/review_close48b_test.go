@@ -386,7 +386,7 @@ func TestReviewClose48bHeldLeases(t *testing.T) {
 			err := sc.b.Close(ctx)
 			took := time.Since(start)
 			for range nw * w {
-				require.Error(t, sp45Wait(t, sc.got, "B's Acquire"))
+				require.Error(t, leasetest.Recv(t, sc.got, "B's Acquire"))
 			}
 			held, after, now := sc.heldStanding(t)
 			ws := sc.waiters()
@@ -575,7 +575,7 @@ func TestReviewClose48bClusterOneStopped(t *testing.T) {
 				go func() { done <- b.Close(ctx) }()
 				time.Sleep(300 * time.Millisecond)
 				letGo()
-				cerr = sp45Wait(t, done, "the Background Close")
+				cerr = leasetest.Recv(t, done, "the Background Close")
 				took = time.Since(start)
 			case "retry":
 				c, cancel := context.WithTimeout(ctx, 30*time.Millisecond)
@@ -594,7 +594,7 @@ func TestReviewClose48bClusterOneStopped(t *testing.T) {
 			}
 			times[variant] = took
 			for range len(all) * w {
-				require.Error(t, sp45Wait(t, got, "B's Acquire"))
+				require.Error(t, leasetest.Recv(t, got, "B's Acquire"))
 			}
 			ws1, _ := c48bStanding(ca, prefix, byNode[1])
 			ws2, _ := c48bStanding(ca, prefix, byNode[2])
@@ -689,7 +689,7 @@ func TestReviewClose48bChurn(t *testing.T) {
 		close(stop)
 		done := make(chan struct{})
 		go func() { wg.Wait(); close(done) }()
-		sp45Wait(t, done, "the workers")
+		leasetest.Recv(t, done, "the workers")
 		ws, hs := c48bStanding(sc.rdb, sc.prefix, keys)
 		t.Logf("round %d: %d grants, %d Acquires ended by their context; first Close (%v) %v; retry took %v, error %v; standing: waiters %v, holders %v; B's %v",
 			round, grants.Load(), cancels.Load(), d, firstErr, took, err, ws, hs, sc.hook)
@@ -768,7 +768,7 @@ func TestReviewClose48bThirdClose(t *testing.T) {
 		err3 := sc.b.Close(ctx)
 		took := time.Since(start)
 		for range nk * w {
-			require.Error(t, sp45Wait(t, sc.got, "B's Acquire"))
+			require.Error(t, leasetest.Recv(t, sc.got, "B's Acquire"))
 		}
 		ws := sc.waiters()
 		sent, ok := sc.hook.counts()
@@ -867,7 +867,7 @@ func TestReviewClose48bFlapping(t *testing.T) {
 		<-flapDone
 		var maxOver time.Duration
 		for range 16 {
-			r := sp45Wait(t, results, "a Close (Redis answering again)")
+			r := leasetest.Recv(t, results, "a Close (Redis answering again)")
 			if r.kind == "background" {
 				assert.NoError(t, r.err, "round %d: a Background Close", round)
 			} else {
@@ -876,7 +876,7 @@ func TestReviewClose48bFlapping(t *testing.T) {
 		}
 		lastReturn := time.Now()
 		for range nk * w {
-			require.Error(t, sp45Wait(t, sc.got, "B's Acquire"))
+			require.Error(t, leasetest.Recv(t, sc.got, "B's Acquire"))
 		}
 		sc.resume(t)
 		at := sc.waiters()

@@ -309,7 +309,7 @@ func TestReviewClose48cOwedLeaveSparesNewHolder(t *testing.T) {
 			var bID atomic.Value
 			var a1 c48cGot
 			a1Got := make(chan struct{})
-			go func() { a1 = sp45Wait(t, got1, "a1's Acquire"); close(a1Got) }()
+			go func() { a1 = leasetest.Recv(t, got1, "a1's Acquire"); close(a1Got) }()
 			p.hook.setPre(func(_ context.Context, kind, id string) error {
 				if kind != "release" {
 					return nil
@@ -370,7 +370,7 @@ func TestReviewClose48cOwedLeaveSparesNewHolder(t *testing.T) {
 			}
 			assert.Greater(t, la1.Token(), lb.Token(), "%s: a1's token above B's", variant)
 			require.NoError(t, la1.Release(ctx), "%s: a1's Release", variant)
-			a2 := sp45Wait(t, got2, "a2's Acquire")
+			a2 := leasetest.Recv(t, got2, "a2's Acquire")
 			require.NoError(t, a2.err)
 			assert.Greater(t, a2.l.Token(), la1.Token(), "%s: a2's token above a1's", variant)
 			assert.Len(t, p.holders(key), 1, "%s: holders in Redis while a2 holds", variant)
@@ -433,12 +433,12 @@ func TestReviewClose48cHolderRace(t *testing.T) {
 			default:
 				done := make(chan error, 1)
 				go func() { done <- p.b.Close(ctx) }()
-				sp45Wait(t, in, "Close's release call")
+				leasetest.Recv(t, in, "Close's release call")
 				herr = lb.Release(holderCtx)
 				close(goOn)
-				cerr = sp45Wait(t, done, "Close")
+				cerr = leasetest.Recv(t, done, "Close")
 			}
-			a := sp45Wait(t, got, "A's Acquire")
+			a := leasetest.Recv(t, got, "A's Acquire")
 			require.NoError(t, a.err)
 			var all []c48cCall
 			p.hook.mu.Lock()
@@ -581,8 +581,8 @@ func TestReviewClose48cStoppedForGood(t *testing.T) {
 	ctlTook, ctlErr := closeIn(ctl.b)
 	heldTook, heldErr := closeIn(held.b)
 	for range 9 {
-		sp45Wait(t, ctl.got, "C's Acquire")
-		sp45Wait(t, held.got, "B's Acquire")
+		leasetest.Recv(t, ctl.got, "C's Acquire")
+		leasetest.Recv(t, held.got, "B's Acquire")
 	}
 	lost := 0
 	for _, l := range held.leases {
@@ -780,7 +780,7 @@ func TestReviewClose48cGrantedAsClosing(t *testing.T) {
 		granted := 0
 		outcome := map[string]error{}
 		for range nk {
-			g := sp45Wait(t, got, "B's Acquire")
+			g := leasetest.Recv(t, got, "B's Acquire")
 			outcome[g.key] = g.err
 			if g.err == nil {
 				granted++

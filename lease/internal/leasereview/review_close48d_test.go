@@ -226,16 +226,16 @@ func TestReviewClose48dOutAtClose(t *testing.T) {
 			})
 			herrc := make(chan error, 1)
 			go func() { herrc <- lb.Release(hctx) }()
-			sp45Wait(t, in, "the holder's release call")
+			leasetest.Recv(t, in, "the holder's release call")
 			cerrc := make(chan error, 1)
 			go func() { cerrc <- p.b.Close(ctx) }()
-			g := sp45Wait(t, gotG, "B's waiter on the gate key")
+			g := leasetest.Recv(t, gotG, "B's waiter on the gate key")
 			require.ErrorIs(t, g.err, lease.ErrClosed, "premise: Close has begun")
 			if variant == "canceled" {
 				hcancel()
 			}
 			close(closing)
-			herr := sp45Wait(t, herrc, "the holder's Release")
+			herr := leasetest.Recv(t, herrc, "the holder's Release")
 			var cerr error
 			select {
 			case cerr = <-cerrc:
@@ -243,7 +243,7 @@ func TestReviewClose48dOutAtClose(t *testing.T) {
 				t.Fatal("Close(Background) did not return within 15 s")
 			}
 			seen := p.look(t, key, lb.Token())
-			a := sp45Wait(t, gotA, "A's Acquire")
+			a := leasetest.Recv(t, gotA, "A's Acquire")
 			require.NoError(t, a.err)
 			aAt := leasetest.RedisNow(p.rdb)
 			calls := p.hook.of(expiry.ID)
@@ -330,7 +330,7 @@ func TestReviewClose48dFailBeforeClose(t *testing.T) {
 			assert.NoError(t, cerr, "%s: Close", variant)
 			assert.Less(t, closedAt, seen.Expiry, "%s: Close returned only once the lease had lapsed", variant)
 			assert.LessOrEqual(t, len(during), 3, "%s: B's calls for K during Close", variant)
-			a := sp45Wait(t, gotA, "A's Acquire")
+			a := leasetest.Recv(t, gotA, "A's Acquire")
 			require.NoError(t, a.err)
 			aAt := leasetest.RedisNow(p.rdb)
 			t.Logf("%s: A granted %v before B's lease's expiry (Redis clock)", variant, leasetest.Ms(seen.Expiry-aAt))
@@ -485,7 +485,7 @@ func TestReviewClose48dOutAtClosingGaveUp(t *testing.T) {
 			})
 			herrc := make(chan error, 1)
 			go func() { herrc <- lb.Release(context.WithValue(ctx, c48cTag{}, "holder")) }()
-			sp45Wait(t, in, "the holder's release call")
+			leasetest.Recv(t, in, "the holder's release call")
 			c1, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
 			first := p.b.Close(c1)
 			cancel()
@@ -494,7 +494,7 @@ func TestReviewClose48dOutAtClosingGaveUp(t *testing.T) {
 			switch variant {
 			case "after":
 				close(goOn)
-				require.Error(t, sp45Wait(t, herrc, "the holder's Release"), "premise: the release failed")
+				require.Error(t, leasetest.Recv(t, herrc, "the holder's Release"), "premise: the release failed")
 				cerr = p.b.Close(ctx)
 			case "during":
 				cerrc := make(chan error, 1)
@@ -506,8 +506,8 @@ func TestReviewClose48dOutAtClosingGaveUp(t *testing.T) {
 				default:
 				}
 				close(goOn)
-				require.Error(t, sp45Wait(t, herrc, "the holder's Release"), "premise: the release failed")
-				cerr = sp45Wait(t, cerrc, "the retry Close")
+				require.Error(t, leasetest.Recv(t, herrc, "the holder's Release"), "premise: the release failed")
+				cerr = leasetest.Recv(t, cerrc, "the retry Close")
 			}
 			s := p.look(t, key, lb.Token())
 			calls := p.hook.of(id)
@@ -573,10 +573,10 @@ func TestReviewClose48dOutAtCloseStopped(t *testing.T) {
 	})
 	herrc := make(chan error, 1)
 	go func() { herrc <- lb.Release(context.WithValue(ctx, c48cTag{}, "holder")) }()
-	sp45Wait(t, in, "the holder's release call")
+	leasetest.Recv(t, in, "the holder's release call")
 	cerrc := make(chan error, 1)
 	go func() { cerrc <- p.b.Close(ctx) }()
-	g := sp45Wait(t, gotG, "B's waiter on the gate key")
+	g := leasetest.Recv(t, gotG, "B's waiter on the gate key")
 	require.ErrorIs(t, g.err, lease.ErrClosed, "premise: Close has begun")
 	time.Sleep(100 * time.Millisecond) // the waiter's leave call answered
 	require.NoError(t, syscall.Kill(srv.Pid(), syscall.SIGSTOP))
@@ -589,7 +589,7 @@ func TestReviewClose48dOutAtCloseStopped(t *testing.T) {
 	}
 	t.Cleanup(resume)
 	close(goOn)
-	herr := sp45Wait(t, herrc, "the holder's Release")
+	herr := leasetest.Recv(t, herrc, "the holder's Release")
 	var cerr error
 	start := time.Now()
 	select {
@@ -597,7 +597,7 @@ func TestReviewClose48dOutAtCloseStopped(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Log("Close has not returned 10 s into the stop: resuming Redis")
 		resume()
-		cerr = sp45Wait(t, cerrc, "Close, Redis resumed")
+		cerr = leasetest.Recv(t, cerrc, "Close, Redis resumed")
 	}
 	took := time.Since(start)
 	resume()

@@ -435,3 +435,16 @@ func Resume(t *testing.T, srv *redistest.Server, eng *throttle.Engine) {
 	lim := throttle.PerSecond(1000, 1000)
 	redistest.UntilOK(t, func() error { _, err := eng.Allow(context.Background(), "leasetest-resume", lim); return err })
 }
+
+// Recv returns the next value of ch, or fails the test if none comes
+// within 10 s (what names the awaited value).
+func Recv[T any](t *testing.T, ch <-chan T, what string) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(10 * time.Second):
+		t.Fatalf("%s: not within 10 s", what)
+		panic("unreachable")
+	}
+}

@@ -1,4 +1,4 @@
-package leasereview_test
+package closereview_test
 
 // Review of 99fe34e..62f67bf (helper-139): after Close, the keepers send
 // the gone waiters' leave calls side by side past the engine's breaker,
@@ -154,7 +154,7 @@ func TestReviewClose47bSecondCloseGivesUpForFirst(t *testing.T) {
 		o.longErr = <-longDone
 		o.took = time.Since(start)
 		for i := 0; i < w; i++ {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, lease.ErrClosed)
+			require.ErrorIs(t, leasetest.Recv(t, got, "B's Acquire").Err, lease.ErrClosed)
 		}
 		require.False(t, h.busy.Load(), "B's client was still busy when the long Close returned")
 		o.left = cl45Standing(e, []string{"gone47b"})
@@ -390,7 +390,7 @@ func TestReviewClose47bCtxEndsWhileAbandonOut(t *testing.T) {
 		o.longTook = time.Since(lstart)
 		o.shortErr = <-shortDone
 		for i := 0; i < w; i++ {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, lease.ErrClosed)
+			require.ErrorIs(t, leasetest.Recv(t, got, "B's Acquire").Err, lease.ErrClosed)
 		}
 		time.Sleep(time.Until(start.Add(busyFor + 100*time.Millisecond)))
 		o.left = cl45Standing(e, []string{"gone47c"})
@@ -785,7 +785,7 @@ func c47bStoppedScene(t *testing.T, ttl time.Duration, nk, w int, name string, w
 	took = time.Since(start)
 	if waiters {
 		for range nk * w {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire"), lease.ErrClosed)
+			require.ErrorIs(t, leasetest.Recv(t, got, "B's Acquire"), lease.ErrClosed)
 		}
 	}
 	time.Sleep(time.Until(start.Add(restartAfter)))
@@ -903,14 +903,14 @@ func TestReviewClose47bOrdinaryCalls(t *testing.T) {
 		leasetest.AcquireAsync(actx, e, b, "b", "oc47b", got)
 		e.Queued(t, "oc47b", 1)
 		cancel()
-		require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
+		require.ErrorIs(t, leasetest.Recv(t, got, "B's Acquire").Err, context.Canceled)
 	}
 	e.Queued(t, "oc47b", 0)
 	got := make(chan leasetest.Got, 1)
 	leasetest.AcquireAsync(ctx, e, b, "b", "oc47b", got)
 	e.Queued(t, "oc47b", 1)
 	require.NoError(t, la.Release(ctx))
-	g := sp45Wait(t, got, "B's Acquire")
+	g := leasetest.Recv(t, got, "B's Acquire")
 	require.NoError(t, g.Err)
 	require.NoError(t, g.L.Release(rel))
 	time.Sleep(200 * time.Millisecond)

@@ -1,4 +1,4 @@
-package leasereview_test
+package closereview_test
 
 // Review of 3e30840 (helper-140): Close with Redis stopped for good and
 // many keys; the giveUp channel under concurrent Closes.
@@ -114,7 +114,7 @@ func TestReviewClose47cManyClosesMixed(t *testing.T) {
 		start := time.Now()
 		go func() { first <- b.Close(ctx) }()
 		for range nk * w {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, lease.ErrClosed)
+			require.ErrorIs(t, leasetest.Recv(t, got, "B's Acquire").Err, lease.ErrClosed)
 		}
 		var errs []chan error
 		var bg []int
@@ -136,9 +136,9 @@ func TestReviewClose47cManyClosesMixed(t *testing.T) {
 				ch <- b.Close(c)
 			}()
 		}
-		assert.NoError(t, sp45Wait(t, first, "the first Close"), "the first Close (Background)")
+		assert.NoError(t, leasetest.Recv(t, first, "the first Close"), "the first Close (Background)")
 		for i, ch := range errs {
-			err := sp45Wait(t, ch, "a Close")
+			err := leasetest.Recv(t, ch, "a Close")
 			if slices.Contains(bg, i) {
 				assert.NoError(t, err, "Close %d (Background)", i)
 			}
@@ -223,7 +223,7 @@ func TestReviewClose47cClusterStopped(t *testing.T) {
 			t.Logf("all masters stopped %v: Close(Background) took %v, error %v", all, took, cerr)
 			assert.Less(t, took, ttl/4, "all masters stopped %v: Close(Background) took %v with Redis stopped for good (TTL %v)", all, took, ttl)
 			for range nk * w {
-				require.ErrorIs(t, sp45Wait(t, got, "B's Acquire"), lease.ErrClosed)
+				require.ErrorIs(t, leasetest.Recv(t, got, "B's Acquire"), lease.ErrClosed)
 			}
 		})
 	}
@@ -305,7 +305,7 @@ func TestReviewClose47cGiveUpThenClose(t *testing.T) {
 		took := time.Since(start)
 		for range nk * w {
 			// Ended by Close, or failed while Redis was stopped (gone then).
-			err := sp45Wait(t, got, "B's Acquire")
+			err := leasetest.Recv(t, got, "B's Acquire")
 			require.Error(t, err, "B's Acquire (A holds the key)")
 		}
 		q0, ww0, _ := c47bStanding(rdb, prefix, keys)

@@ -1,4 +1,4 @@
-package leasereview_test
+package closereview_test
 
 // Review of b7e5875 and ed0436c (helper-137): after Close, pending leave
 // calls go out side by side (an errgroup, at most 16 a key), and a call
@@ -132,22 +132,22 @@ func testClose46(t *testing.T, byClose bool) {
 		if !byClose {
 			want = context.Canceled
 			cancel()
-			sp45Wait(t, leave.caught, "B's leave call (abandon's)")
+			leasetest.Recv(t, leave.caught, "B's leave call (abandon's)")
 		}
 		rel.armed.Store(true)
 		closed := make(chan error, 1)
 		cctx, ccancel := context.WithTimeout(ctx, 10*time.Second)
 		defer ccancel()
 		go func() { closed <- b.Close(cctx) }()
-		sp45Wait(t, rel.caught, "Close's release of h") // Close is under way
+		leasetest.Recv(t, rel.caught, "Close's release of h") // Close is under way
 		if byClose {
-			sp45Wait(t, leave.caught, "B's leave call (the closed Acquire's)")
+			leasetest.Recv(t, leave.caught, "B's leave call (the closed Acquire's)")
 		}
 		before := leave.tries.Load()
 		close(leave.open)
-		require.ErrorIs(t, sp45Wait(t, acq, "B's Acquire"), want)
+		require.ErrorIs(t, leasetest.Recv(t, acq, "B's Acquire"), want)
 		close(rel.open)
-		require.NoError(t, sp45Wait(t, closed, "B's Close"))
+		require.NoError(t, leasetest.Recv(t, closed, "B's Close"))
 		_, q, w = sp45State(e, "g")
 		require.NoError(t, first.Release(ctx))
 		require.NoError(t, a.Close(ctx))
@@ -251,7 +251,7 @@ func TestReviewClose46ConcurrentCloseShortCtx(t *testing.T) {
 		h.mode.Store(1)
 		cancel()
 		for i := 0; i < k; i++ {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
+			require.ErrorIs(t, leasetest.Recv(t, got, "B's Acquire").Err, context.Canceled)
 		}
 		time.Sleep(2 * poll) // a keeper round has failed them again
 		h.mode.Store(0)
@@ -263,11 +263,11 @@ func TestReviewClose46ConcurrentCloseShortCtx(t *testing.T) {
 		go func() { short <- b.Close(sctx) }()
 		closeAt := time.Now()
 		go func() { long <- b.Close(lctx) }()
-		serr := sp45Wait(t, short, "the short Close")
+		serr := leasetest.Recv(t, short, "the short Close")
 		require.ErrorIs(t, serr, context.DeadlineExceeded, "the short Close, its context ended while leave calls were held")
 		heldAt := hold.held.Load()
 		close(hold.release)
-		require.NoError(t, sp45Wait(t, long, "the long Close"))
+		require.NoError(t, leasetest.Recv(t, long, "the long Close"))
 		took := time.Since(closeAt)
 		left := cl45Standing(e, []string{"f"})
 		_, after, ran := h.snapshot()
@@ -328,7 +328,7 @@ func TestReviewClose46ManyKeysLatency(t *testing.T) {
 		h.mode.Store(1)
 		cancel()
 		for i := 0; i < nk*w; i++ {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
+			require.ErrorIs(t, leasetest.Recv(t, got, "B's Acquire").Err, context.Canceled)
 		}
 		time.Sleep(3 * poll)
 		h.mode.Store(0)

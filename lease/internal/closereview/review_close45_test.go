@@ -1,4 +1,4 @@
-package leasereview_test
+package closereview_test
 
 // Review of ff26d2a (helper-124): after Close, the pending leave calls of
 // a key's gone waiters go out side by side (at most 16 at once), and an
@@ -155,7 +155,7 @@ func cl45Gone(t *testing.T, key string, k int, mode int32, ttl, poll time.Durati
 	h.mode.Store(mode)
 	cancel()
 	for i := 0; i < k; i++ {
-		require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
+		require.ErrorIs(t, leasetest.Recv(t, got, "B's Acquire").Err, context.Canceled)
 	}
 	return e, h, eng, b, first
 }
@@ -215,7 +215,7 @@ func TestReviewClose45ManyKeys(t *testing.T) {
 		h.mode.Store(1)
 		cancel()
 		for range nk * nw {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
+			require.ErrorIs(t, leasetest.Recv(t, got, "B's Acquire").Err, context.Canceled)
 		}
 		time.Sleep(2 * poll) // the keepers have tried them again, and failed
 		tries, _, _ := h.snapshot()
@@ -390,13 +390,13 @@ func TestReviewClose45NoSpin(t *testing.T) {
 	e.Queued(t, "s", k)
 	kh.keep.reply = make(chan struct{})
 	kh.keep.armed.Store(true)
-	sp45Wait(t, kh.keep.caught, "the keep call refreshing B's waiters")
+	leasetest.Recv(t, kh.keep.caught, "the keep call refreshing B's waiters")
 	close(kh.keep.open)
-	require.NoError(t, sp45Wait(t, kh.keep.ran, "the keep call"))
+	require.NoError(t, leasetest.Recv(t, kh.keep.ran, "the keep call"))
 	h.mode.Store(1)
 	cancel()
 	for i := 0; i < k; i++ {
-		require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
+		require.ErrorIs(t, leasetest.Recv(t, got, "B's Acquire").Err, context.Canceled)
 	}
 	h.closing.Store(true)
 	closed := make(chan error, 1)
@@ -408,7 +408,7 @@ func TestReviewClose45NoSpin(t *testing.T) {
 	}()
 	time.Sleep(50 * time.Millisecond)
 	close(kh.keep.reply)
-	require.NoError(t, sp45Wait(t, closed, "B's Close"))
+	require.NoError(t, leasetest.Recv(t, closed, "B's Close"))
 	took := time.Since(start)
 	time.Sleep(200 * time.Millisecond)
 	_, after, _ := h.snapshot()
@@ -529,7 +529,7 @@ func TestReviewClose45FailureAfterCloseBegan(t *testing.T) {
 		defer ccancel()
 		if hold {
 			h.holdNext.Store(true)
-			sp45Wait(t, h.held, "a keeper round's leave call")
+			leasetest.Recv(t, h.held, "a keeper round's leave call")
 			h.closing.Store(true)
 			go func() { closed <- b.Close(cctx) }()
 			time.Sleep(50 * time.Millisecond) // Close has begun
@@ -540,7 +540,7 @@ func TestReviewClose45FailureAfterCloseBegan(t *testing.T) {
 			h.mode.Store(0)
 			go func() { closed <- b.Close(cctx) }()
 		}
-		require.NoError(t, sp45Wait(t, closed, "B's Close"))
+		require.NoError(t, leasetest.Recv(t, closed, "B's Close"))
 		left := cl45Standing(e, []string{"f"})
 		_, after, ran := h.snapshot()
 		t.Logf("call held across Close %v: leave calls per id after Close began %v, run by Redis %v; B's waiters standing once Close returned %v", hold, after, ran, left)

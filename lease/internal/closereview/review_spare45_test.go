@@ -1,4 +1,4 @@
-package leasereview_test
+package closereview_test
 
 // Review of e8dcbe7 (helper-122): a keep call's leave call for a waiter
 // granted and released while the call was out carries the released
@@ -154,17 +154,6 @@ func sp45Orders() []string {
 	return out
 }
 
-func sp45Wait[T any](t *testing.T, ch <-chan T, what string) T {
-	t.Helper()
-	select {
-	case v := <-ch:
-		return v
-	case <-time.After(10 * time.Second):
-		t.Fatalf("%s: not within 10 s", what)
-		panic("unreachable")
-	}
-}
-
 // sp45State returns the ids in key's holders (with the time Redis holds
 // each for), queue and waiters sets.
 func sp45State(e *leasetest.Env, key string) (h map[string]time.Duration, q, w []string) {
@@ -250,7 +239,7 @@ func sp45Order(t *testing.T, order, mode string, withC bool, ttl, poll time.Dura
 	h.rel.armed.Store(true)
 	spare := strings.Contains(order, "V")
 	h.spare.armed.Store(spare)
-	sp45Wait(t, h.keep.caught, "the keep call refreshing B's waiter")
+	leasetest.Recv(t, h.keep.caught, "the keep call refreshing B's waiter")
 
 	var l *lease.Lease
 	var exp0 int64 // the lease's expiry in Redis when Release is called
@@ -259,31 +248,31 @@ func sp45Order(t *testing.T, order, mode string, withC bool, ttl, poll time.Dura
 		switch ev {
 		case 'K':
 			close(h.keep.open)
-			require.NoError(t, sp45Wait(t, h.keep.ran, "the keep call"))
+			require.NoError(t, leasetest.Recv(t, h.keep.ran, "the keep call"))
 		case 'G':
 			require.NoError(t, first.Release(ctx))
-			g := sp45Wait(t, got, "B's Acquire")
+			g := leasetest.Recv(t, got, "B's Acquire")
 			require.NoError(t, g.Err)
 			l = g.L
 		case 'R':
 			exp0 = leasetest.Look(ctx, e.Rdb, e, "o", l.Token()).Expiry
 			released.Store(true)
 			go func() { relErr <- l.Release(context.WithValue(ctx, sp45Rel{}, true)) }()
-			sp45Wait(t, h.rel.caught, "B's release call")
+			leasetest.Recv(t, h.rel.caught, "B's release call")
 		case 'S':
 			close(h.rel.open)
-			sp45Wait(t, h.rel.ran, "B's release call")
+			leasetest.Recv(t, h.rel.ran, "B's release call")
 		case 'P':
 			close(h.keep.reply)
 			if spare {
-				sp45Wait(t, h.spare.caught, "B's leave call with the released lease's token")
+				leasetest.Recv(t, h.spare.caught, "B's leave call with the released lease's token")
 			}
 		case 'V':
 			close(h.spare.open)
-			sp45Wait(t, h.spare.ran, "B's leave call")
+			leasetest.Recv(t, h.spare.ran, "B's leave call")
 		}
 	}
-	rerr := sp45Wait(t, relErr, "B's Release")
+	rerr := leasetest.Recv(t, relErr, "B's Release")
 	switch mode {
 	case "ok":
 		assert.NoError(t, rerr, "Release of a lease Redis held until its release call")
@@ -297,7 +286,7 @@ func sp45Order(t *testing.T, order, mode string, withC bool, ttl, poll time.Dura
 	}
 	var c cGot
 	if withC {
-		c = sp45Wait(t, cgot, "C's Acquire")
+		c = leasetest.Recv(t, cgot, "C's Acquire")
 		require.NoError(t, c.err)
 		assert.False(t, c.before, "C granted before B's Release was called (N = 1)")
 		assert.Greater(t, c.l.Token(), l.Token())
@@ -392,12 +381,12 @@ func sp45Abandon(t *testing.T, keepOut bool, ttl, poll time.Duration) (time.Dura
 		return 0, sc.branch
 	}
 	close(h.leave.open)
-	require.ErrorIs(t, sp45Wait(t, h.leave.ran, "abandon's leave call"), leasetest.ErrNotSent)
+	require.ErrorIs(t, leasetest.Recv(t, h.leave.ran, "abandon's leave call"), leasetest.ErrNotSent)
 	failed := leasetest.RedisNow(e.Rdb)
-	require.ErrorIs(t, sp45Wait(t, sc.got, "B's Acquire").Err, context.Canceled) // abandon has handed its leave call to the keeper
+	require.ErrorIs(t, leasetest.Recv(t, sc.got, "B's Acquire").Err, context.Canceled) // abandon has handed its leave call to the keeper
 	if keepOut {
 		close(h.spare.open)
-		require.NoError(t, sp45Wait(t, h.spare.ran, "the keeper's leave call"))
+		require.NoError(t, leasetest.Recv(t, h.spare.ran, "the keeper's leave call"))
 	}
 	other := leasetest.SemOn(t, e.Eng, 1, lease.WithTTL(ttl))
 	for {
@@ -447,9 +436,9 @@ func sp45AbandonScene(t *testing.T, e *leasetest.Env, h *sp45Hook, keepOut bool,
 	if keepOut {
 		h.keep.reply = make(chan struct{})
 		h.keep.armed.Store(true)
-		sp45Wait(t, h.keep.caught, "the keep call refreshing B's waiter")
+		leasetest.Recv(t, h.keep.caught, "the keep call refreshing B's waiter")
 		close(h.keep.open)
-		require.NoError(t, sp45Wait(t, h.keep.ran, "the keep call"))
+		require.NoError(t, leasetest.Recv(t, h.keep.ran, "the keep call"))
 		h.spare.armed.Store(true)
 	}
 	h.leave.armed.Store(true)
@@ -475,7 +464,7 @@ func sp45AbandonScene(t *testing.T, e *leasetest.Env, h *sp45Hook, keepOut bool,
 	sc.branch = "control"
 	if keepOut {
 		close(h.keep.reply)
-		sa := sp45Wait(t, h.spare.caught, "the keeper's leave call")
+		sa := leasetest.Recv(t, h.spare.caught, "the keeper's leave call")
 		sc.branch = "given up first"
 		if sa[4] != int64(0) {
 			sc.branch = "granted"
@@ -535,16 +524,16 @@ func TestReviewSpare45LapseWhileKeepOut(t *testing.T) {
 				e.Queued(t, "z", 2)
 				h.keep.reply = make(chan struct{})
 				h.keep.armed.Store(true)
-				sp45Wait(t, h.keep.caught, "the keep call refreshing B's waiter")
+				leasetest.Recv(t, h.keep.caught, "the keep call refreshing B's waiter")
 				if how == "reply-held" {
 					close(h.keep.open)
-					require.NoError(t, sp45Wait(t, h.keep.ran, "the keep call"))
+					require.NoError(t, leasetest.Recv(t, h.keep.ran, "the keep call"))
 				}
 				require.NoError(t, first.Release(ctx))
-				g := sp45Wait(t, got, "B's Acquire")
+				g := leasetest.Recv(t, got, "B's Acquire")
 				require.NoError(t, g.Err)
 				bl.Store(g.L)
-				sp45Wait(t, g.L.Lost(), "B's Lost (no extension while the keeper is blocked)")
+				leasetest.Recv(t, g.L.Lost(), "B's Lost (no extension while the keeper is blocked)")
 				var rerr error
 				if release {
 					rerr = g.L.Release(context.WithValue(ctx, sp45Rel{}, true))
@@ -557,10 +546,10 @@ func TestReviewSpare45LapseWhileKeepOut(t *testing.T) {
 						time.Sleep(ttl) // Redis has dropped the lease too
 					}
 					close(h.keep.open)
-					require.NoError(t, sp45Wait(t, h.keep.ran, "the keep call"))
+					require.NoError(t, leasetest.Recv(t, h.keep.ran, "the keep call"))
 				}
 				close(h.keep.reply)
-				cg := sp45Wait(t, cgot, "C's Acquire")
+				cg := leasetest.Recv(t, cgot, "C's Acquire")
 				require.NoError(t, cg.err)
 				assert.False(t, cg.before, "C granted while B's lease was believed held (Lost open)")
 				cid := leasetest.Look(ctx, e.Rdb, e, "z", cg.l.Token()).ID
@@ -631,7 +620,7 @@ func sp45Close(t *testing.T, order string, at int, ttl, poll time.Duration) {
 	h.keep.armed.Store(true)
 	h.rel.armed.Store(true)
 	h.spare.armed.Store(strings.Contains(order, "V"))
-	proc := fmt.Sprint(sp45Wait(t, h.keep.caught, "the keep call refreshing B's waiter")[0]) + "."
+	proc := fmt.Sprint(leasetest.Recv(t, h.keep.caught, "the keep call refreshing B's waiter")[0]) + "."
 	closed := make(chan error, 1)
 	var l *lease.Lease
 	relErr := make(chan error, 1)
@@ -684,41 +673,41 @@ func sp45Close(t *testing.T, order string, at int, ttl, poll time.Duration) {
 		switch ev {
 		case 'K':
 			open('K')
-			require.NoError(t, sp45Wait(t, h.keep.ran, "the keep call"))
+			require.NoError(t, leasetest.Recv(t, h.keep.ran, "the keep call"))
 		case 'G':
 			require.NoError(t, first.Release(ctx))
-			g := sp45Wait(t, got, "B's Acquire")
+			g := leasetest.Recv(t, got, "B's Acquire")
 			require.NoError(t, g.Err)
 			l = g.L
 		case 'R':
 			relCalled = true
 			go func() { relErr <- l.Release(context.WithValue(ctx, sp45Rel{}, true)) }()
-			sp45Wait(t, h.rel.caught, "B's release call")
+			leasetest.Recv(t, h.rel.caught, "B's release call")
 		case 'S':
 			open('S')
-			sp45Wait(t, h.rel.ran, "B's release call")
+			leasetest.Recv(t, h.rel.ran, "B's release call")
 		case 'P':
 			open('P')
 			if strings.Contains(order, "V") {
-				sp45Wait(t, h.spare.caught, "the leave call with the token")
+				leasetest.Recv(t, h.spare.caught, "the leave call with the token")
 			}
 		case 'V':
 			open('V')
-			sp45Wait(t, h.spare.ran, "the leave call")
+			leasetest.Recv(t, h.spare.ran, "the leave call")
 		}
 	}
 	for _, ev := range []byte("KSPV") { // anything still held goes now
 		open(ev)
 	}
-	assert.NoError(t, sp45Wait(t, closed, "B's Close"), "B's Close")
+	assert.NoError(t, leasetest.Recv(t, closed, "B's Close"), "B's Close")
 	var bErr error
 	if l == nil {
-		g := sp45Wait(t, got, "B's Acquire")
+		g := leasetest.Recv(t, got, "B's Acquire")
 		bErr = g.Err
 		l = g.L
 	}
 	if relCalled {
-		assert.NotErrorIs(t, sp45Wait(t, relErr, "B's Release"), lease.ErrLost, "B's Release")
+		assert.NotErrorIs(t, leasetest.Recv(t, relErr, "B's Release"), lease.ErrLost, "B's Release")
 	}
 	hs, q, w := sp45State(e, "x")
 	var left []string

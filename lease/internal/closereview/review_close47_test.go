@@ -1,4 +1,4 @@
-package leasereview_test
+package closereview_test
 
 // Review of 99fe34e (helper-134): Close waits for a gone waiter's own leave
 // call (abandon's, marked out) and sends a failed one once more; after
@@ -97,7 +97,7 @@ func cl47Setup(t *testing.T, nk, w int, proxied bool, timeout, ttl, poll time.Du
 	sc.h.mode.Store(mode)
 	cancel()
 	for i := 0; i < nk*w; i++ {
-		require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
+		require.ErrorIs(t, leasetest.Recv(t, got, "B's Acquire").Err, context.Canceled)
 	}
 	return sc
 }
@@ -285,7 +285,7 @@ func TestReviewClose47RepliesLostAtClose(t *testing.T) {
 		require.NoError(t, a.Close(ctx))
 		settle = took + leasetest.SettleTime(30*time.Second)
 		for i := 0; i < k; i++ {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, lease.ErrClosed)
+			require.ErrorIs(t, leasetest.Recv(t, got, "B's Acquire").Err, lease.ErrClosed)
 		}
 		_, after, _ := h.snapshot()
 		for _, n := range after {
@@ -372,7 +372,7 @@ func TestReviewClose47RedisAway(t *testing.T) {
 		}
 		settle = leasetest.SettleTime(30 * time.Second)
 		for i := 0; i < k; i++ {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, lease.ErrClosed)
+			require.ErrorIs(t, leasetest.Recv(t, got, "B's Acquire").Err, lease.ErrClosed)
 		}
 		t.Logf("stalled %v, probe max %v, Close's ctx %v: breaker open %v, next probe in %v at Close; Close took %v, error %v; lease goroutines gone %v after",
 			stalled, probeMax, cdur, open, in, took, cerr, settle)
@@ -468,7 +468,7 @@ func TestReviewClose47GiveUpBesideHeld(t *testing.T) {
 		time.Sleep(2 * poll)
 		cnt.on.Store(true)
 		cancel()
-		require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
+		require.ErrorIs(t, leasetest.Recv(t, got, "B's Acquire").Err, context.Canceled)
 		time.Sleep(1200 * time.Millisecond)
 		cnt.on.Store(false)
 		_, q, w := sp45State(e, "gu47")

@@ -1,6 +1,6 @@
 //go:build !slotbook_known_limits
 
-package leasereview_test
+package closereview_test
 
 // knownLimits: see known_limits_test.go.
 const knownLimits = false

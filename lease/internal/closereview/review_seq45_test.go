@@ -1,4 +1,4 @@
-package leasereview_test
+package closereview_test
 
 // Review of e8dcbe7 and 9c014e6 (helper-123): numbered leaving entries
 // (gone.seq) and the keeper's leave calls with a spare token. The rigs
@@ -68,8 +68,8 @@ func sq45CloseAbandon(t *testing.T, keepOut bool, ttl, poll time.Duration) (stri
 	}
 	id, _ := sc.leave[3].(string)
 	close(h.leave.open)
-	require.Equal(t, h.leave.fail, sp45Wait(t, h.leave.ran, "abandon's leave call"))
-	require.ErrorIs(t, sp45Wait(t, sc.got, "B's Acquire").Err, context.Canceled) // retryLeave has run
+	require.Equal(t, h.leave.fail, leasetest.Recv(t, h.leave.ran, "abandon's leave call"))
+	require.ErrorIs(t, leasetest.Recv(t, sc.got, "B's Acquire").Err, context.Canceled) // retryLeave has run
 	closed := make(chan error, 1)
 	cctx, ccancel := context.WithTimeout(ctx, 10*time.Second)
 	defer ccancel()
@@ -77,9 +77,9 @@ func sq45CloseAbandon(t *testing.T, keepOut bool, ttl, poll time.Duration) (stri
 	time.Sleep(50 * time.Millisecond) // Close has begun
 	if keepOut {
 		close(h.spare.open)
-		require.NoError(t, sp45Wait(t, h.spare.ran, "the keeper's leave call"))
+		require.NoError(t, leasetest.Recv(t, h.spare.ran, "the keeper's leave call"))
 	}
-	require.NoError(t, sp45Wait(t, closed, "B's Close"))
+	require.NoError(t, leasetest.Recv(t, closed, "B's Close"))
 	hs, _, _ := sp45State(e, "g")
 	return sc.branch, hs[id]
 }
@@ -167,9 +167,9 @@ func TestReviewSeq45LeaveCallsPerWaiter(t *testing.T) {
 		if how == "keep-out" {
 			kh.keep.reply = make(chan struct{})
 			kh.keep.armed.Store(true)
-			sp45Wait(t, kh.keep.caught, "the keep call refreshing B's waiter")
+			leasetest.Recv(t, kh.keep.caught, "the keep call refreshing B's waiter")
 			close(kh.keep.open)
-			require.NoError(t, sp45Wait(t, kh.keep.ran, "the keep call"))
+			require.NoError(t, leasetest.Recv(t, kh.keep.ran, "the keep call"))
 		}
 		c.failing.Store(true)
 		c.mu.Lock()
@@ -177,7 +177,7 @@ func TestReviewSeq45LeaveCallsPerWaiter(t *testing.T) {
 		c.mu.Unlock()
 		cancel()
 		for i := 0; i < n; i++ {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
+			require.ErrorIs(t, leasetest.Recv(t, got, "B's Acquire").Err, context.Canceled)
 		}
 		if how == "keep-out" {
 			close(kh.keep.reply)
@@ -301,7 +301,7 @@ func TestReviewSeq45CloseWithLeavesOut(t *testing.T) {
 		c.failing.Store(true)
 		cancel()
 		for i := 0; i < k; i++ {
-			require.ErrorIs(t, sp45Wait(t, got, "B's Acquire").Err, context.Canceled)
+			require.ErrorIs(t, leasetest.Recv(t, got, "B's Acquire").Err, context.Canceled)
 		}
 		c.hang.Store(true)
 		c.closing.Store(true)
