@@ -127,18 +127,7 @@ func TestReviewAway49HealthyMasterDropped(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx := context.Background()
-			// Runs last: go-redis's background dial (tryDial, once the dial
-			// lockout trips) sees its closed pool only after its 1 s sleep.
-			t.Cleanup(func() { time.Sleep(1500 * time.Millisecond) })
-			cluster := redistest.StartCluster(t, 3, "--cluster-require-full-coverage", "no")
-			prefix := redistest.Prefix(t)
-			ca := cluster.Client(t)
-			aEng, err := throttle.New(ca, throttle.WithPrefix(prefix), throttle.WithTimeout(time.Second))
-			require.NoError(t, err)
-			a, err := lease.New(aEng, "partner", 1, lease.WithTTL(20*time.Second))
-			require.NoError(t, err)
-			leasetest.CloseAtEnd(t, a)
-			redistest.UntilOK(t, func() error { return a.Load(ctx) })
+			cluster, prefix, ca, a := c48bClusterA(t)
 
 			// KA on master 0, KB on master 1.
 			keys := make([]string, 2)

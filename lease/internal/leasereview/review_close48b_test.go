@@ -415,6 +415,27 @@ func TestReviewClose48bHeldLeases(t *testing.T) {
 	}
 }
 
+// c48bClusterA starts a 3-master test Cluster (full coverage not
+// required; extra: more redis-server arguments) and, on a client of its
+// own (ca, also for the checks), Semaphore A (N = 1, TTL 20 s, an engine
+// with a 1 s timeout, scripts loaded). Its first cleanup waits 1.5 s, and
+// runs last: go-redis's background dial (tryDial, once the dial lockout
+// trips) sees its closed pool only after its 1 s sleep.
+func c48bClusterA(t *testing.T, extra ...string) (cluster *redistest.Cluster, prefix string, ca *redis.ClusterClient, a *lease.Semaphore) {
+	t.Helper()
+	t.Cleanup(func() { time.Sleep(1500 * time.Millisecond) })
+	cluster = redistest.StartCluster(t, 3, append([]string{"--cluster-require-full-coverage", "no"}, extra...)...)
+	prefix = redistest.Prefix(t)
+	ca = cluster.Client(t)
+	aEng, err := throttle.New(ca, throttle.WithPrefix(prefix), throttle.WithTimeout(time.Second))
+	require.NoError(t, err)
+	a, err = lease.New(aEng, "partner", 1, lease.WithTTL(20*time.Second))
+	require.NoError(t, err)
+	leasetest.CloseAtEnd(t, a)
+	redistest.UntilOK(t, func() error { return a.Load(context.Background()) })
+	return cluster, prefix, ca, a
+}
+
 // TestReviewClose48bClusterOneStopped: a 3-master Cluster (full coverage
 // not required: the others serve while one is stopped). A (an engine of
 // its own) holds the one lease of each of 4 keys on each master; B (N =
@@ -452,18 +473,7 @@ func TestReviewClose48bClusterOneStopped(t *testing.T) {
 	for _, variant := range []string{"plain", "held", "retry"} {
 		t.Run(variant, func(t *testing.T) {
 			ctx := context.Background()
-			// Runs last: go-redis's background dial (tryDial, once the dial
-			// lockout trips) sees its closed pool only after its 1 s sleep.
-			t.Cleanup(func() { time.Sleep(1500 * time.Millisecond) })
-			cluster := redistest.StartCluster(t, 3, "--cluster-require-full-coverage", "no")
-			prefix := redistest.Prefix(t)
-			ca := cluster.Client(t)
-			aEng, err := throttle.New(ca, throttle.WithPrefix(prefix), throttle.WithTimeout(time.Second))
-			require.NoError(t, err)
-			a, err := lease.New(aEng, "partner", 1, lease.WithTTL(20*time.Second))
-			require.NoError(t, err)
-			leasetest.CloseAtEnd(t, a)
-			redistest.UntilOK(t, func() error { return a.Load(ctx) })
+			cluster, prefix, ca, a := c48bClusterA(t)
 			// A pool of 40 a node: the 16 leave calls held for master 1 wait
 			// beside the keepers' blocking reads (up to half the pool).
 			cb := redis.NewClusterClient(&redis.ClusterOptions{Addrs: slices.Clone(cluster.Addrs), ContextTimeoutEnabled: true, PoolSize: 40})

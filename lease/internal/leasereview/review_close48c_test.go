@@ -59,6 +59,21 @@ type c48cHook struct {
 	calls []c48cCall
 }
 
+// c48cKindID returns the kind of a lease script call (see c48bHook's
+// kind; "" for another command), the lease or waiter id it names (a
+// leave, release or acquire call's; else ""), and its keys.
+func c48cKindID(kinds map[string]string, cmd redis.Cmder) (kind, id string, keys []string) {
+	kind = (&c48bHook{kinds: kinds}).kind(cmd)
+	if kind == "" {
+		return "", "", nil
+	}
+	argv, keys := leasetest.ScriptArgs(cmd)
+	if (kind == "leave" || kind == "release" || kind == "acquire") && len(argv) >= 4 {
+		id = fmt.Sprint(argv[3])
+	}
+	return kind, id, keys
+}
+
 func newC48cHook(t *testing.T) *c48cHook { return &c48cHook{kinds: c48bKinds(t)} }
 
 func (h *c48cHook) setPre(f func(ctx context.Context, kind, id string) error) { h.pre.Store(&f) }
@@ -72,14 +87,9 @@ func (h *c48cHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 }
 func (h *c48cHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		kind := (&c48bHook{kinds: h.kinds}).kind(cmd)
+		kind, id, keys := c48cKindID(h.kinds, cmd)
 		if kind == "" {
 			return next(ctx, cmd)
-		}
-		argv, keys := leasetest.ScriptArgs(cmd)
-		id := ""
-		if (kind == "leave" || kind == "release" || kind == "acquire") && len(argv) >= 4 {
-			id = fmt.Sprint(argv[3])
 		}
 		tag, _ := ctx.Value(c48cTag{}).(string)
 		c := c48cCall{kind: kind, id: id, tag: tag, status: -1}

@@ -63,14 +63,9 @@ func (h *r49Hook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Proc
 }
 func (h *r49Hook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		kind := (&c48bHook{kinds: h.kinds}).kind(cmd)
+		kind, id, _ := c48cKindID(h.kinds, cmd)
 		if kind == "" {
 			return next(ctx, cmd)
-		}
-		argv, _ := leasetest.ScriptArgs(cmd)
-		id := ""
-		if (kind == "leave" || kind == "release" || kind == "acquire") && len(argv) >= 4 {
-			id = fmt.Sprint(argv[3])
 		}
 		c := r49Call{kind: kind, id: id, at: time.Now()}
 		if p := h.do.Load(); p != nil && *p != nil {
