@@ -582,12 +582,12 @@ func (s *Semaphore) handOut(ctx context.Context, l *Lease, start time.Time) (*Le
 // waiter's TTL has passed (Redis has then dropped the waiter). Only when
 // Redis is away (two rounds in a row reach none of it, a call let by the
 // breaker failing, the breaker open after; judged master by master for a
-// Cluster, shard by shard for a Ring) are they dropped, and Redis drops their waiters within the
-// TTL. ctx bounds the wait: once every
-// Close under way has returned with its ctx's error, the keepers end, and
-// the calls still owed wait for a Close called after (a retry), which
-// sends them as the first would have, judging afresh whether Redis is
-// away; without one, Redis drops those waiters within the TTL.
+// Cluster, shard by shard for a Ring) are they dropped, and Redis drops
+// their waiters within the TTL. ctx bounds the wait: once every Close
+// under way has returned with its ctx's error, the keepers end, and the
+// calls still owed wait for a Close called after (a retry), which sends
+// them as the first would have, judging afresh whether Redis is away;
+// without one, Redis drops those waiters within the TTL.
 func (s *Semaphore) Close(ctx context.Context) error {
 	s.mu.Lock()
 	s.closers++ // from the start: a Close given up meanwhile must not give up for this one (helper-135)

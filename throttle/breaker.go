@@ -32,7 +32,8 @@ const (
 
 // breakers stop calls from paying the timeout while Redis is down, one
 // breaker per Redis node (the failure domain): the client's address for a
-// plain client, the master that owns the key's slot for a Cluster. After a
+// plain client, the master that owns the key's slot for a Cluster, the
+// shard the key goes to for a Ring. After a
 // failure a node's breaker is open, and calls to that node fail at once
 // with ErrUnavailable, except one probe at a time, let through once the
 // backoff has passed; the first success closes it. Calls to other nodes
@@ -321,8 +322,14 @@ func notSent(err error) bool {
 	}
 	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, redis.ErrPoolTimeout) ||
 		errors.Is(err, redis.ErrPoolExhausted) || waitedInClient(err) || handshakeFailed(err) ||
-		cannotServe(err)
+		cannotServe(err) || ringDown(err)
 }
+
+// ringDown reports whether err is a Ring's answer that it has no shard up
+// (its heartbeat marked every one down): the command was sent nowhere.
+// go-redis does not export the error (checked for v9.23: ring.go's
+// errRingShardsDown), so its message is matched.
+func ringDown(err error) bool { return err.Error() == "redis: all ring shards are down" }
 
 // handshakeFailed reports whether err is the cause go-redis returns when a
 // new connection's handshake (HELLO, AUTH, the commands of OnConnect)
@@ -396,7 +403,7 @@ func unavailable(err error) bool {
 		errors.As(err, &ne):
 		return true
 	}
-	return cannotServe(err)
+	return cannotServe(err) || ringDown(err)
 }
 
 // slotBusy reports whether err is Redis's answer that the key's slot cannot

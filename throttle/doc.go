@@ -121,7 +121,7 @@
 //
 // The engine keeps one breaker per Redis node, the failure domain: the
 // client's server, or, for a Redis Cluster, the master that owns the key's
-// slot. While a node's breaker is open calls for its subjects fail at once
+// slot, or, for a Ring, the shard the key goes to. While a node's breaker is open calls for its subjects fail at once
 // (a fallback answers for them), one probe at a time checks whether it is
 // back, and subjects on other masters are served as usual. An Observer
 // (package metrics has one) sees every decision and call, and every

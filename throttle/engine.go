@@ -104,6 +104,9 @@ type Engine struct {
 	// how many do.
 	ringHoldCap int32
 	ringHolds   atomic.Int32
+	// ring is the client if it is a Ring: each shard is a node of its own
+	// (see ringRef), as each master of a Cluster is.
+	ring *redis.Ring
 
 	// clientBound is the longest of the client's own read, write and dial
 	// timeouts when all are set (0 otherwise): where it is no longer than
@@ -429,6 +432,7 @@ func New(rdb redis.Scripter, opts ...Option) (*Engine, error) {
 		e.gates = &gates{size: n, byNode: make(map[string]chan struct{})}
 	}
 	if r, ok := rdb.(*redis.Ring); ok {
+		e.ring = r
 		n := r.Options().PoolSize
 		if n <= 0 {
 			n = 10 * runtime.GOMAXPROCS(0) // go-redis's default, per shard
@@ -508,9 +512,12 @@ func (e *Engine) Observer() Observer { return e.observer }
 // Unavailable reports whether calls are failing fast because Redis is
 // unavailable, and if so how long until the next probe (while a probe is
 // under way, at least the shortest probe interval: never 0). The engine
-// keeps one breaker per Redis node (per master of a Cluster): Unavailable
-// reports whether any is open, and the soonest probe; UnavailableFor
-// reports on the node of one key. With a Cluster, while a breaker is
+// keeps one breaker per Redis node (per master of a Cluster, per shard of
+// a Ring): Unavailable reports whether any is open, and the soonest probe;
+// UnavailableFor reports on the node of one key. With a Ring, while a
+// breaker is open, the breakers of shards the Ring's heartbeat has marked
+// down (their keys go to other shards, so no probe reaches them) are
+// closed, at most once per the longest probe interval, with no Redis call. With a Cluster, while a breaker is
 // open a call has the cluster's slot map read, on a goroutine of its own
 // that no call waits for, at most once per the longest probe interval
 // (see WithProbeBackoff), and the breaker of any node that
@@ -525,32 +532,26 @@ func (e *Engine) Unavailable() (bool, time.Duration) {
 // UnavailableFor is Unavailable for the Redis node that holds key (as
 // given to the engine's other methods, before the prefix): with a Redis
 // Cluster, whether calls for key fail fast because the master that owns
-// its slot is unavailable, while other masters may serve. With another
-// client it is Unavailable. It makes no Redis call while the slot map
+// its slot is unavailable, while other masters may serve; with a Ring, the
+// shard the key goes to. With another client it is Unavailable. It makes no Redis call while the slot map
 // cannot be read (it then reports on the pseudo-node "cluster"), nor once
 // a Cluster client has read the map.
 func (e *Engine) UnavailableFor(ctx context.Context, key string) (bool, time.Duration) {
 	return e.breakers.stateOf(e.node(ctx, e.prefix+key))
 }
 
-// Node names the Redis server that holds key (as given to the engine's
-// other methods, before the prefix): a Cluster master's address (or
+// Node names the Redis node that holds key (as given to the engine's
+// other methods, before the prefix): the failure domain with a breaker of
+// its own, named as NodeObserver names it: a Cluster master's address (or
 // "cluster" while the slot map cannot be read), a Ring shard's address
-// (or "redis" if the Ring has no shard up), a plain client's address, or
-// "redis" for another kind of client. Except for a Ring, it is the
-// failure domain with a breaker of its own, named as NodeObserver names
-// it; a Ring's shards share one breaker, "redis" (see UnavailableFor).
-// Keys of one name go to one server, so a judgement that Redis is away,
-// made from calls for one key, holds for the others of its name and no
-// further: package lease counts its leave rounds that found Redis away
-// by Node (helper-146, helper-147). It makes no Redis call in the cases
-// UnavailableFor makes none, nor for a Ring.
+// (or "redis" while the Ring has no shard up), a plain client's address,
+// or "redis" for another kind of client. Keys of one name share a
+// breaker, so a judgement that Redis is away, made from calls for one
+// key, holds for the others of its node and no further: package lease
+// counts its leave rounds that found Redis away by Node (helper-146,
+// helper-147). It makes no Redis call in the cases UnavailableFor makes
+// none, nor for a Ring.
 func (e *Engine) Node(ctx context.Context, key string) string {
-	if r, ok := e.rdb.(*redis.Ring); ok {
-		if c, err := r.GetShardClientForKey(e.prefix + key); err == nil {
-			return c.Options().Addr
-		}
-	}
 	return e.node(ctx, e.prefix+key)
 }
 
@@ -562,6 +563,9 @@ func (e *Engine) Node(ctx context.Context, key string) string {
 // call, it never reads the slot map while the breaker of "cluster" is
 // open.
 func (e *Engine) node(ctx context.Context, key string) string {
+	if e.ring != nil {
+		return e.ringRef(key).name
+	}
 	if e.cluster == nil {
 		return e.fixed.name
 	}
@@ -577,11 +581,55 @@ func (e *Engine) node(ctx context.Context, key string) string {
 // slot map when that was the probe of "cluster" and failed (see lookup):
 // the call's own error.
 func (e *Engine) nodeFor(ctx context.Context, key string, now time.Time) (r *nodeRef, cached bool, probeErr error) {
+	if e.ring != nil {
+		e.sweepRing(now)
+		return e.ringRef(key), false, nil
+	}
 	if e.cluster == nil {
 		return e.fixed, false, nil
 	}
 	e.sweep(ctx, now)
 	return e.lookup(ctx, key, now, true)
+}
+
+// ringRef returns the nodeRef of the Ring shard the prefixed key goes to
+// (the Ring's own choice, no Redis call), or the engine's fixed one,
+// "redis", while the Ring has no shard up. Each shard has a breaker of its
+// own: one shard stopped fails only the keys it holds, not the Ring's
+// every call (helper-149: a lease's leave calls for keys on a shard that
+// answered waited out the TTL behind the one breaker's probes, taken by
+// the stopped shard's keys).
+func (e *Engine) ringRef(key string) *nodeRef {
+	c, err := e.ring.GetShardClientForKey(key)
+	if err != nil {
+		return e.fixed
+	}
+	return e.ref(c.Options().Addr)
+}
+
+// sweepRing closes, at most once per the longest probe interval and only
+// while some breaker is open, the breakers of Ring shards that are not up
+// (the Ring's heartbeat marked them down, or they left its addresses), and
+// that of "redis" once a shard is up: no call goes to them, so no probe
+// could close them, and Unavailable would report the Ring unavailable for
+// good. The Ring's own view, no Redis call.
+func (e *Engine) sweepRing(now time.Time) {
+	mono := monoNow(now)
+	due := e.sweepAt.Load()
+	if mono < due {
+		return
+	}
+	if open, _ := e.breakers.state(); !open || !e.sweepAt.CompareAndSwap(due, mono+int64(e.breakers.max)) {
+		return
+	}
+	up := map[string]bool{}
+	for _, c := range e.ring.GetShardClients() {
+		up[c.Options().Addr] = true
+	}
+	if len(up) == 0 {
+		return
+	}
+	e.breakers.retire(func(node string) bool { return !up[node] })
 }
 
 // lookup is nodeFor for a Cluster, without the sweep. While the breaker

@@ -285,3 +285,83 @@ func TestNodeRing(t *testing.T) {
 	}
 	require.Len(t, seen, 2, "64 keys over two shards: %v", seen)
 }
+
+// ringSubjectOn returns a subject whose key (under prefix) the Ring sends
+// to the shard at addr.
+func ringSubjectOn(t *testing.T, ring *redis.Ring, prefix, addr string) string {
+	t.Helper()
+	for i := 0; i < 1000; i++ {
+		s := "s" + strconv.Itoa(i)
+		c, err := ring.GetShardClientForKey(prefix + s)
+		require.NoError(t, err)
+		if c.Options().Addr == addr {
+			return s
+		}
+	}
+	t.Fatalf("no subject on %s", addr)
+	return ""
+}
+
+// TestRingShardDown: on a Ring of two shards with one stopped, subjects
+// on that shard fail with ErrUnavailable and its breaker opens; subjects
+// on the other shard are served, every call: each shard has a breaker of
+// its own, as each master of a Cluster has. Once the Ring's heartbeat has
+// marked the stopped shard down, its subjects go to the other shard, and
+// its breaker, which no call reaches any more, is closed: the engine is
+// not reported unavailable for good.
+func TestRingShardDown(t *testing.T) {
+	t.Parallel()
+	for _, marked := range []bool{false, true} {
+		t.Run(map[bool]string{false: "open", true: "marked down"}[marked], func(t *testing.T) {
+			t.Parallel()
+			a, b := redistest.Start(t), redistest.Start(t)
+			hb := time.Hour // the Ring keeps sending to the stopped shard
+			if marked {
+				hb = 50 * time.Millisecond
+			}
+			ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": a.Addr, "b": b.Addr},
+				ContextTimeoutEnabled: true, MaxRetries: -1, HeartbeatFrequency: hb})
+			t.Cleanup(func() { _ = ring.Close() })
+			log := &nodeLog{}
+			prefix := redistest.Prefix(t)
+			eng, err := throttle.New(ring, throttle.WithPrefix(prefix), throttle.WithTimeout(5*time.Second),
+				throttle.WithProbeBackoff(25*time.Millisecond, 100*time.Millisecond), throttle.WithObserver(log))
+			require.NoError(t, err)
+			ctx := context.Background()
+			dead := ringSubjectOn(t, ring, prefix, a.Addr)
+			healthy := ringSubjectOn(t, ring, prefix, b.Addr)
+			lim := throttle.PerSecond(1000, 1000)
+			for _, s := range []string{dead, healthy} {
+				redistest.UntilOK(t, func() error { _, err := eng.Allow(ctx, s, lim); return err })
+			}
+			log.reset()
+			a.Stop()
+			if !marked {
+				_, err = eng.Allow(ctx, dead, lim)
+				require.ErrorIs(t, err, throttle.ErrUnavailable)
+				open, _ := eng.UnavailableFor(ctx, dead)
+				require.True(t, open, "the stopped shard's breaker is open")
+				for i := 0; i < 50; i++ {
+					_, err := eng.Allow(ctx, healthy, lim)
+					require.NoError(t, err, "call %d for a subject on the shard that answers", i)
+					open, _ := eng.UnavailableFor(ctx, healthy)
+					require.False(t, open)
+				}
+				require.Equal(t, []nodeChange{{a.Addr, true}}, log.getNodes(), "only the stopped shard's breaker opened")
+				return
+			}
+			// Marked down: the dead shard's subjects move to b, and a's
+			// breaker, if a call opened it meanwhile, is closed.
+			require.Eventually(t, func() bool {
+				_, err := eng.Allow(ctx, dead, lim)
+				open, _ := eng.Unavailable()
+				return err == nil && !open && eng.Node(ctx, dead) == b.Addr
+			}, 10*time.Second, 10*time.Millisecond, "the stopped shard's subjects served by the other, and no breaker left open")
+			changes := log.getNodes()
+			for i, c := range changes {
+				require.Equal(t, a.Addr, c.node, "change %d: only the stopped shard's breaker changed: %v", i, changes)
+			}
+			require.True(t, len(changes)%2 == 0, "every opening closed again: %v", changes)
+		})
+	}
+}

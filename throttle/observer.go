@@ -82,7 +82,8 @@ type Observer interface {
 // A NodeObserver is an Observer that is also told which Redis node's
 // breaker opened or closed: the address of a plain client, of the master
 // owning the key's slot for a Cluster ("cluster" while its slot map cannot
-// be read), or "redis" for another kind of client. The engine calls
+// be read), of the shard the key goes to for a Ring ("redis" while it has
+// no shard up), or "redis" for another kind of client. The engine calls
 // ObserveNodeBreaker, if its Observer has it, for every change of every
 // node's breaker, under the breaker's lock: for each node, openings and
 // closings arrive in the order they happened and alternate, starting with
