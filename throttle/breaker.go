@@ -48,9 +48,11 @@ type breakers struct {
 	obs      Observer
 	nodeObs  NodeObserver // obs, if it is one; else nil
 
-	mu    sync.Mutex // guards every breaker's state changes and nOpen; held while the observer is told of a change
+	mu    sync.Mutex // guards every breaker's state changes; held while the observer is told of a change
 	nodes sync.Map   // node address -> *breaker; entries are never removed (one per node ever called)
-	nOpen int        // breakers open
+	// nOpen counts the breakers open: written under mu, read without it
+	// (anyOpen) by the sweeps, which a call makes only while one is.
+	nOpen atomic.Int32
 }
 
 // breaker is one node's state.
@@ -252,17 +254,19 @@ func (bs *breakers) changed(node string, open bool) {
 		bs.nodeObs.ObserveNodeBreaker(node, open)
 	}
 	if open {
-		bs.nOpen++
-		if bs.nOpen == 1 {
+		if bs.nOpen.Add(1) == 1 {
 			bs.obs.ObserveBreaker(true)
 		}
 		return
 	}
-	bs.nOpen--
-	if bs.nOpen == 0 {
+	if bs.nOpen.Add(-1) == 0 {
 		bs.obs.ObserveBreaker(false)
 	}
 }
+
+// anyOpen reports, without the lock, whether some breaker is open (as
+// state would, but for a breaker opening or closing meanwhile).
+func (bs *breakers) anyOpen() bool { return bs.nOpen.Load() > 0 }
 
 // retire closes every open breaker whose node stale reports that no call
 // maps to any more: a Cluster master whose slots a failover or a

@@ -614,6 +614,9 @@ func (e *Engine) ringRef(key string) *nodeRef {
 // could close them, and Unavailable would report the Ring unavailable for
 // good. The Ring's own view, no Redis call.
 func (e *Engine) sweepRing(now time.Time) {
+	if !e.breakers.anyOpen() {
+		return // the common case: no lock (helper-150)
+	}
 	mono := monoNow(now)
 	due := e.sweepAt.Load()
 	if mono < due {
@@ -697,6 +700,9 @@ func (e *Engine) lookup(ctx context.Context, key string, now time.Time, mayProbe
 // interval or a second, whichever is longer (it is no caller's call, and
 // a hung master would hold it for good).
 func (e *Engine) sweep(ctx context.Context, now time.Time) {
+	if !e.breakers.anyOpen() {
+		return // the common case: no lock (helper-150)
+	}
 	mono := monoNow(now)
 	if mono < e.sweepAt.Load() {
 		return
