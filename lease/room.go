@@ -314,18 +314,18 @@ func (s *Semaphore) leavingLocked(r *room, id string, spare int64) {
 // again a moment on. A round none of whose calls reached Redis, one of
 // them let by the breaker and the breaker open after, says Redis is away
 // (the room's node: throttle.Engine.Node, a Cluster's master or a Ring's
-// shard); after two
-// such rounds in a row over the rooms of the node's keys, with no call
-// reaching the node between them, the calls owed to it are dropped (each
-// room's at its next round, unsent): their waiters leave Redis's queue
-// within the TTL, unrefreshed. Another node's rooms go on sending
-// (helper-146, helper-147: a master or shard that answers is not away
-// because another is stopped). Once every Close under way has given up (its ctx
-// ended: giveUp), the keeper ends and the calls owed wait for a later
-// Close (see keep).
+// shard); after two such rounds in a row over the rooms of the node's
+// keys, with no call reaching the node between them, the calls owed to it
+// are dropped (each room's at its next round, unsent): their waiters leave
+// Redis's queue within the TTL, unrefreshed. Another node's rooms go on
+// sending (helper-146, helper-147: a master or shard that answers is not
+// away because another is stopped). Once every Close under way has given
+// up (its ctx ended: giveUp), the keeper ends and the calls owed wait for
+// a later Close (see keep).
 func (s *Semaphore) sendLeaves(r *room) (again bool) {
 	// The node of the room's key: Redis is judged away node by node (see
-	// below), for a Cluster's masters answer or not one by one.
+	// below), for a Cluster's masters and a Ring's shards answer or not
+	// one by one.
 	node := s.eng.Node(context.Background(), s.holdersKey(r.key))
 	s.mu.Lock()
 	closed := s.closed
