@@ -622,7 +622,7 @@ func (e *Engine) sweepRing(now time.Time) {
 	if mono < due {
 		return
 	}
-	if open, _ := e.breakers.state(); !open || !e.sweepAt.CompareAndSwap(due, mono+int64(e.breakers.max)) {
+	if !e.sweepAt.CompareAndSwap(due, mono+int64(e.breakers.max)) {
 		return
 	}
 	up := map[string]bool{}
@@ -707,7 +707,7 @@ func (e *Engine) sweep(ctx context.Context, now time.Time) {
 	if mono < e.sweepAt.Load() {
 		return
 	}
-	if open, _ := e.breakers.state(); !open || e.unread.b.open.Load() {
+	if e.unread.b.open.Load() {
 		return
 	}
 	// One at a time; a call that finds one under way leaves the next due

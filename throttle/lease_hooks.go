@@ -79,7 +79,7 @@ func (e *Engine) HoldConnWait(ctx context.Context, key string) (release func(), 
 
 func (e *Engine) holdConn(ctx context.Context, key string, wait bool) (release func(), ok bool) {
 	if e.gates == nil {
-		if _, ring := e.rdb.(*redis.Ring); !ring {
+		if e.ring == nil {
 			return func() {}, true
 		}
 		if e.ringHolds.Add(1) > e.ringHoldCap {
