@@ -22,6 +22,9 @@ import (
 //     "TIME+GET+SET PX reference");
 //   - protocol: the same taking book1.lua's four arguments and answering
 //     with TIME's two words (slotbench's protocol reference);
+//   - integer: the same storing the Redis time in microseconds as one
+//     integer, as book1.lua stores a TAT (slotbench's integer reference):
+//     what that representation costs before any decision;
 //   - unchecked: book1.lua without its two checks of the stored value
 //     (an integer of at most 16 digits; not further ahead than any booking
 //     reaches), which turn a foreign or corrupt value into an error
@@ -32,9 +35,11 @@ import (
 // call (INFO commandstats, EVALSHA's usec over its calls), and each
 // ratio as the median over the rounds of that round's ratio, so that a
 // round in which the machine was busy counts once. An op is one call (of
-// any of the four), its INFO readings included.
+// any of the five), its INFO readings included.
 // unchecked/floor is what no script making book1.lua's decision, with
-// book1.lua's reply, can go below without the checks.
+// book1.lua's reply, can go below without the checks; integer/floor what
+// no script keeping its state as book1.lua does (one integer, the memory
+// floor) can go below, and book1/integer what book1.lua adds to that.
 func BenchmarkBook1ServerCost(b *testing.B) {
 	srv := redistest.Start(b)
 	ctx := context.Background()
@@ -63,6 +68,7 @@ func BenchmarkBook1ServerCost(b *testing.B) {
 	probes := []*probe{
 		{name: "floor", sc: newScript("local t = redis.call('TIME')\nlocal v = redis.call('GET', KEYS[1])\nredis.call('SET', KEYS[1], t[1], 'PX', 1000)\nreturn 1\n")},
 		{name: "protocol", sc: newScript("local t = redis.call('TIME')\nlocal v = redis.call('GET', KEYS[1])\nredis.call('SET', KEYS[1], t[1], 'PX', 1000)\nreturn t[1] .. ' ' .. t[2]\n"), args: book1Args},
+		{name: "integer", sc: newScript("local t = redis.call('TIME')\nlocal v = redis.call('GET', KEYS[1])\nredis.call('SET', KEYS[1], string.format('%d', t[1] * 1000000 + t[2]), 'PX', 1000)\nreturn t[1] .. ' ' .. t[2]\n"), args: book1Args},
 		{name: "unchecked", sc: newScript(unchecked), args: book1Args},
 		{name: "book1", sc: book1Script, args: book1Args},
 	}
@@ -134,4 +140,5 @@ func BenchmarkBook1ServerCost(b *testing.B) {
 	for _, p := range probes[1:] {
 		b.ReportMetric(ratio(p, floor), p.name+"/floor")
 	}
+	b.ReportMetric(ratio(probes[len(probes)-1], probes[2]), "book1/integer")
 }

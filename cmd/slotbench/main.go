@@ -240,6 +240,9 @@ func bench(ctx context.Context, o options, stderr io.Writer) (*Report, error) {
 		probe{name: "reference: the same with slotbook's 4 arguments and book1.lua's reply", command: "evalsha", call: func(ctx context.Context) error {
 			// book1.lua's arguments for a reservation: the clock, n*I, tau+I, max wait.
 			return protocolFloorScript.Run(ctx, rdb, []string{run + "-lat-floor"}, "", 1, 1_000_001, 1_000_000).Err()
+		}},
+		probe{name: "reference: the same, storing the Redis time in microseconds as an integer", command: "evalsha", call: func(ctx context.Context) error {
+			return integerFloorScript.Run(ctx, rdb, []string{run + "-lat-floor"}, "", 1, 1_000_001, 1_000_000).Err()
 		}})
 	say("latency: %d kinds of call, %d each, in %d interleaved rounds", len(probes), o.samples, latencyRounds(o.samples))
 	if rep.Latency, err = measureLatency(ctx, rdb, probes, o.samples, latencyRounds(o.samples)); err != nil {

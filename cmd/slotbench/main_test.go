@@ -39,7 +39,7 @@ func TestSmallRun(t *testing.T) {
 	var rep Report
 	require.NoError(t, json.Unmarshal(stdout.Bytes(), &rep))
 	require.Len(t, rep.Memory, 5)
-	require.Len(t, rep.Latency, 9) // with the lease row (lease.go) and three references
+	require.Len(t, rep.Latency, 10) // with the lease row (lease.go) and four references
 	require.Equal(t, []string{"-contention", "1s", "-json", "-keys", "200", "-out", out, "-samples", "200"}, rep.Flags)
 	require.Len(t, rep.Contention, 3)
 	require.Equal(t, 1.0, rep.ContentionSeconds) // -contention 1s

@@ -155,9 +155,18 @@ func (r *Report) markdown() string {
 	p("\n## Cost per check\n\nEach call timed after a PING timed in the same loop, the kinds of call interleaved in rounds of 100 calls (10 rounds at least); p50 and p99 by nearest rank (of n times, the ceil(n/2)-th and ceil(0.99n)-th smallest, as in the scaling tables); server µs per call from INFO commandstats: the median over the rounds of each round's µs of the scripts the calls sent, over its timed calls, so per timed call as p50 is (the lease row's call sends two scripts, Acquire's and Release's, and is charged both). ")
 	p("The reference rows bound what a GCRA script can cost here: an empty script is what any EVALSHA costs, a script doing only TIME, GET and SET PX (no arithmetic) is what every GCRA in this table must do, and the same script taking slotbook's four arguments and answering as book1.lua does (the Redis time as TIME gave it) is what slotbook's wire protocol adds before any arithmetic")
 	res, ref, proto := r.latency("slotbook reserve"), r.latency("reference: a script doing only TIME"), r.latency("reference: the same with slotbook's")
-	if ref.UsecPerCall > 0 && ref.UsecPerCall < proto.UsecPerCall && proto.UsecPerCall <= res.UsecPerCall {
-		p(" (in this run %.2fx the three commands' cost, %.0f%% of the way from them to slotbook reserve's)",
-			proto.UsecPerCall/ref.UsecPerCall, 100*(proto.UsecPerCall-ref.UsecPerCall)/(res.UsecPerCall-ref.UsecPerCall))
+	share := func(of LatencyRow) {
+		if ref.UsecPerCall > 0 && ref.UsecPerCall < of.UsecPerCall && of.UsecPerCall <= res.UsecPerCall {
+			p(" (in this run %.2fx the three commands' cost, %.0f%% of the way from them to slotbook reserve's)",
+				of.UsecPerCall/ref.UsecPerCall, 100*(of.UsecPerCall-ref.UsecPerCall)/(res.UsecPerCall-ref.UsecPerCall))
+		}
+	}
+	share(proto)
+	p("; storing, as well, the Redis time as one integer of microseconds, as slotbook stores a TAT, is what that representation adds")
+	integer := r.latency("reference: the same, storing")
+	share(integer)
+	if integer.UsecPerCall > 0 {
+		p(", and slotbook reserve costs %.2fx that", res.UsecPerCall/integer.UsecPerCall)
 	}
 	p(".\n\n")
 	p("| call | p50 | p99 | PING p50 | PING p99 | p50 / PING p50 | server µs per timed call |\n|---|---:|---:|---:|---:|---:|---:|\n")

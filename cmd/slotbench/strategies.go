@@ -82,6 +82,17 @@ local v = redis.call('GET', KEYS[1])
 redis.call('SET', KEYS[1], t[1], 'PX', 1000)
 return t[1] .. ' ' .. t[2]
 `)
+	// integerFloorScript is protocolFloorScript working out the Redis time
+	// in microseconds and storing it as an integer, as book1.lua stores a
+	// TAT (string.format: a Lua number past 14 digits has no exact
+	// tostring): what keeping TAT as one integer of microseconds adds
+	// before any GCRA arithmetic.
+	integerFloorScript = redis.NewScript(`
+local t = redis.call('TIME')
+local v = redis.call('GET', KEYS[1])
+redis.call('SET', KEYS[1], string.format('%d', t[1] * 1000000 + t[2]), 'PX', 1000)
+return t[1] .. ' ' .. t[2]
+`)
 )
 
 // strategies are the ways to keep a limit measured side by side, on rdb;
