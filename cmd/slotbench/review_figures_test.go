@@ -211,6 +211,12 @@ func TestReviewSBLoadCountsMatchServer(t *testing.T) {
 				Prefix: fmt.Sprintf("rv%d-%d:", keys, si), Duration: 250 * time.Millisecond}
 			l, err := prepareLoad(ctx, spec)
 			require.NoError(t, err, strat)
+			// Closed on every way out too: rvProcCPU skips where /proc
+			// cannot be read, and the pool strategy's dispatcher, left
+			// behind, failed the package's end-of-run goroutine check.
+			var closeOnce sync.Once
+			closeLoad := func() { closeOnce.Do(l.close) }
+			t.Cleanup(closeLoad)
 			var w rvWrap
 			w.wrap(l)
 			st0 := rvCmdstats(t, admin)
@@ -222,7 +228,7 @@ func TestReviewSBLoadCountsMatchServer(t *testing.T) {
 			require.NoError(t, err)
 			cpu1 := rvProcCPU(t, srv.Pid())
 			st1 := rvCmdstats(t, admin)
-			l.close()
+			closeLoad()
 
 			name := fmt.Sprintf("%s, %d keys", strat, keys)
 			scripts, scriptUsec := rvDelta(st0, st1, "evalsha", "eval")
