@@ -113,11 +113,18 @@ func (e *Env) NoGhosts(t *testing.T, subjects []string) {
 }
 
 // WaitFor polls cond until it holds, for at most 20 s.
-func WaitFor(t *testing.T, cond func() bool) {
+func WaitFor(t *testing.T, cond func() bool) { t.Helper(); WaitForSaying(t, cond, nil) }
+
+// WaitForSaying is WaitFor that, if cond never holds, reports what state
+// says (if not nil) as the test fails: what the scene looked like.
+func WaitForSaying(t *testing.T, cond func() bool, state func() string) {
 	t.Helper()
 	deadline := time.Now().Add(20 * time.Second)
 	for !cond() {
 		if time.Now().After(deadline) {
+			if state != nil {
+				t.Fatalf("condition never held: %s", state())
+			}
 			t.Fatal("condition never held")
 		}
 		time.Sleep(5 * time.Millisecond)
