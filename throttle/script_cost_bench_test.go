@@ -22,9 +22,19 @@ import (
 //     "TIME+GET+SET PX reference");
 //   - protocol: the same taking book1.lua's four arguments and answering
 //     with TIME's two words (slotbench's protocol reference);
-//   - integer: the same storing the Redis time in microseconds as one
-//     integer, as book1.lua stores a TAT (slotbench's integer reference):
-//     what that representation costs before any decision;
+//   - wide: the protocol script storing a fixed 16-digit integer: what
+//     storing a TAT's width costs over the floor's 10 digits (nothing
+//     measurable here);
+//   - integer: the protocol script working out the Redis time in
+//     microseconds as a number and storing it as one integer
+//     (string.format), as book1.lua works out and stores a TAT
+//     (slotbench's integer reference): the arithmetic on TIME's words and
+//     the formatting, which a script storing a sum (tat + step) as one
+//     integer cannot skip (joining TIME's words, zero-padded, stores the
+//     time cheaper, but cannot add);
+//   - minimal: book1.lua's decision and replies without its checks of
+//     the stored value and without its test clock: about the least a
+//     GCRA keeping TAT as one integer, with book1.lua's protocol, does;
 //   - unchecked: book1.lua without its two checks of the stored value
 //     (an integer of at most 16 digits; not further ahead than any booking
 //     reaches), which turn a foreign or corrupt value into an error
@@ -35,11 +45,12 @@ import (
 // call (INFO commandstats, EVALSHA's usec over its calls), and each
 // ratio as the median over the rounds of that round's ratio, so that a
 // round in which the machine was busy counts once. An op is one call (of
-// any of the five), its INFO readings included.
+// any of the seven), its INFO readings included.
 // unchecked/floor is what no script making book1.lua's decision, with
-// book1.lua's reply, can go below without the checks; integer/floor what
-// no script keeping its state as book1.lua does (one integer, the memory
-// floor) can go below, and book1/integer what book1.lua adds to that.
+// book1.lua's reply, can go below without the checks; integer/floor and
+// minimal/floor what a script storing a sum of microseconds as one
+// integer (the memory floor) pays before and with a decision, and
+// book1/integer what book1.lua adds to the former.
 func BenchmarkBook1ServerCost(b *testing.B) {
 	srv := redistest.Start(b)
 	ctx := context.Background()
@@ -68,7 +79,9 @@ func BenchmarkBook1ServerCost(b *testing.B) {
 	probes := []*probe{
 		{name: "floor", sc: newScript("local t = redis.call('TIME')\nlocal v = redis.call('GET', KEYS[1])\nredis.call('SET', KEYS[1], t[1], 'PX', 1000)\nreturn 1\n")},
 		{name: "protocol", sc: newScript("local t = redis.call('TIME')\nlocal v = redis.call('GET', KEYS[1])\nredis.call('SET', KEYS[1], t[1], 'PX', 1000)\nreturn t[1] .. ' ' .. t[2]\n"), args: book1Args},
+		{name: "wide", sc: newScript("local t = redis.call('TIME')\nlocal v = redis.call('GET', KEYS[1])\nredis.call('SET', KEYS[1], '1700000000123456', 'PX', 1000)\nreturn t[1] .. ' ' .. t[2]\n"), args: book1Args},
 		{name: "integer", sc: newScript("local t = redis.call('TIME')\nlocal v = redis.call('GET', KEYS[1])\nredis.call('SET', KEYS[1], string.format('%d', t[1] * 1000000 + t[2]), 'PX', 1000)\nreturn t[1] .. ' ' .. t[2]\n"), args: book1Args},
+		{name: "minimal", sc: newScript(minimalGCRA), args: book1Args},
 		{name: "unchecked", sc: newScript(unchecked), args: book1Args},
 		{name: "book1", sc: book1Script, args: book1Args},
 	}
@@ -140,5 +153,32 @@ func BenchmarkBook1ServerCost(b *testing.B) {
 	for _, p := range probes[1:] {
 		b.ReportMetric(ratio(p, floor), p.name+"/floor")
 	}
-	b.ReportMetric(ratio(probes[len(probes)-1], probes[2]), "book1/integer")
+	b.ReportMetric(ratio(probes[len(probes)-1], probes[3]), "book1/integer")
 }
+
+// minimalGCRA is book1.lua's decision and replies (a refusal writes
+// nothing; the PX as book1.lua works it out) without its checks of the
+// stored value and without its test clock: BenchmarkBook1ServerCost's
+// "minimal" probe (helper-153's estimate of the least a GCRA keeping TAT
+// as one integer does).
+const minimalGCRA = `local t = redis.call('TIME')
+local s, u = t[1], t[2]
+local now = s * 1000000 + u
+local v = redis.call('GET', KEYS[1])
+local tat = now
+if v then
+  local x = v + 0
+  if x > now then tat = x else v = nil end
+end
+local step = ARGV[2] + 0
+local wait = tat + step - ARGV[3] - now
+if wait > 0 and wait > ARGV[4] + 0 then
+  if v then return s .. ' ' .. u .. ' -' .. v end
+  return s .. ' ' .. u .. ' -'
+end
+local new = tat + step
+local d = (now - new) / 1000
+redis.call('SET', KEYS[1], string.format('%d', new), 'PX', string.format('%d', d % 1 - d + 1))
+if v then return s .. ' ' .. u .. ' ' .. v end
+return s .. ' ' .. u
+`

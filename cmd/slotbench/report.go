@@ -162,7 +162,7 @@ func (r *Report) markdown() string {
 		}
 	}
 	share(proto)
-	p("; storing, as well, the Redis time as one integer of microseconds, as slotbook stores a TAT, is what that representation adds")
+	p("; working out, as well, the Redis time in microseconds as a number and storing it as one integer, as slotbook works out and stores a TAT, is the least a script storing a sum of microseconds does before any decision")
 	integer := r.latency("reference: the same, storing")
 	share(integer)
 	if integer.UsecPerCall > 0 {

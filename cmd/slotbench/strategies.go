@@ -83,10 +83,13 @@ redis.call('SET', KEYS[1], t[1], 'PX', 1000)
 return t[1] .. ' ' .. t[2]
 `)
 	// integerFloorScript is protocolFloorScript working out the Redis time
-	// in microseconds and storing it as an integer, as book1.lua stores a
-	// TAT (string.format: a Lua number past 14 digits has no exact
-	// tostring): what keeping TAT as one integer of microseconds adds
-	// before any GCRA arithmetic.
+	// in microseconds as a number and storing it as an integer
+	// (string.format: a Lua number past 14 digits has no exact tostring),
+	// as book1.lua works out and stores a TAT: the arithmetic on TIME's
+	// words and the formatting that a script storing a sum of
+	// microseconds (tat + step) as one integer cannot skip. The width
+	// itself costs nothing measurable (throttle's
+	// BenchmarkBook1ServerCost, its "wide" probe).
 	integerFloorScript = redis.NewScript(`
 local t = redis.call('TIME')
 local v = redis.call('GET', KEYS[1])
