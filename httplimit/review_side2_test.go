@@ -753,24 +753,34 @@ func TestReviewHTTP2Concurrent(t *testing.T) {
 // ------------------------------------------- Redis away, then back
 
 // Requests wait at their slots (4/s, no burst) when the upstream answers
-// 429 Retry-After: 2 and Redis is stopped just before: the pause cannot be
-// stored. Redis comes back (restarted, empty) 1 s later. The waiters book
+// 429 Retry-After: 2 and Redis is stopped just before (once they have
+// booked): the pause cannot be stored. Redis comes back (restarted, empty) 1 s later. The waiters book
 // again after the pause, against the Redis that is back: none arrives inside
 // the pause, and those after it keep the limit.
 func TestReviewHTTP2RedisAwayThenBack(t *testing.T) {
 	srv := redistest.Start(t)
 	bg := context.Background()
-	eng, err := throttle.New(srv.Client(t), throttle.WithPrefix(redistest.Prefix(t)), throttle.WithTimeout(500*time.Millisecond))
+	prefix := redistest.Prefix(t)
+	eng, err := throttle.New(srv.Client(t), throttle.WithPrefix(prefix), throttle.WithTimeout(500*time.Millisecond))
 	require.NoError(t, err)
 	const I = 250 * time.Millisecond
 	lim, err := reserve.New(eng, "rv2", throttle.Every(time.Second, 4, 0))
 	require.NoError(t, err)
 	var rAt atomic.Int64
 	restarted := make(chan struct{})
+	// Redis stops once the waiters have booked: the scene's premise. A
+	// waiter that booked only once Redis had stopped, before R's 429 came
+	// back, failed at once (unsent, no fallback: as documented); a busy
+	// CI machine did that to all five (the CI run of 67efe50).
+	booked := make(chan struct{})
+	var bookedOnce sync.Once
+	letStop := func() { bookedOnce.Do(func() { close(booked) }) }
+	t.Cleanup(letStop)
 	up := rvNewUp(t, func(_ int, r *http.Request, w http.ResponseWriter) {
 		if r.Header.Get("X-RV-ID") != "R" {
 			return
 		}
+		<-booked
 		srv.Stop()
 		go func() {
 			defer close(restarted)
@@ -797,6 +807,9 @@ func TestReviewHTTP2RedisAwayThenBack(t *testing.T) {
 		rvDrain(resp)
 	}()
 	require.Eventually(t, func() bool { _, ok := up.gotID("R"); return ok }, 2*time.Second, time.Millisecond)
+	rdb := srv.Client(t)
+	tat := func() int64 { v, _ := rdb.Get(bg, prefix+"rv2:{k}").Int64(); return v }
+	tat0 := tat() // R's booking
 	errs := make([]error, 5)
 	rets := make([]time.Time, 5)
 	for i := range errs {
@@ -808,6 +821,9 @@ func TestReviewHTTP2RedisAwayThenBack(t *testing.T) {
 			rvDrain(resp)
 		}()
 	}
+	require.Eventually(t, func() bool { return tat() >= tat0+5*I.Microseconds() }, 10*time.Second, time.Millisecond,
+		"premise: the five waiters booked before Redis stops")
+	letStop()
 	wg.Wait()
 	<-restarted
 	require.NotNil(t, perr.Load(), "the pause could not be stored")
