@@ -1014,10 +1014,17 @@ func TestReviewAWLeaseStopped(t *testing.T) {
 	// breaker or a refused dial) and by a count of the calls that reach
 	// the client, not by a 50 ms bound on its time, which a stall of
 	// 50 ms broke and which such a call kept all the same.
+	// l2 was granted just after l1, so its Lost timer (9/10 of the TTL
+	// after its last extension) fires a few ms after l1's: a busy machine
+	// can run it before Close begins (the suite beside CI, stop 50; seen
+	// so with 100 ms slept before l1's Release), and Release then reports
+	// the lapse, ErrLost, as its doc has it, with no Redis call either.
 	before := calls.Load()
 	d = timed(func() { err = l2.Release(ctx) })
 	t.Logf("Release after Close: %v in %v", err, d)
-	assert.NoError(t, err, "Release after Close is a no-op")
+	if err != nil {
+		assert.ErrorIs(t, err, lease.ErrLost, "Release after Close is a no-op (or reports the lease lapsed before Close)")
+	}
 	assert.Equal(t, before, calls.Load(), "Release after Close makes no Redis call")
 
 	e.srv.Restart(t)
