@@ -10,6 +10,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/slotbook/slotbook/internal/redistest"
+	"github.com/slotbook/slotbook/internal/refscripts"
 )
 
 // BenchmarkBook1ServerCost measures what book1.lua costs the server per
@@ -74,13 +75,18 @@ func BenchmarkBook1ServerCost(b *testing.B) {
 		key  string
 		per  []float64 // µs per call, one per round
 	}
+	// refscripts.Protocol storing a fixed 16-digit integer, not TIME's seconds.
+	wide := strings.Replace(refscripts.Protocol, "KEYS[1], t[1], 'PX'", "KEYS[1], '1700000000123456', 'PX'", 1)
+	if wide == refscripts.Protocol {
+		b.Fatal("refscripts.Protocol no longer stores t[1]: bring the wide variant in line")
+	}
 	// book1.lua's arguments: the clock, n*I, tau+I, the max wait (µs).
 	book1Args := []any{"", 1, 1_000_001, 1_000_000}
 	probes := []*probe{
-		{name: "floor", sc: newScript("local t = redis.call('TIME')\nlocal v = redis.call('GET', KEYS[1])\nredis.call('SET', KEYS[1], t[1], 'PX', 1000)\nreturn 1\n")},
-		{name: "protocol", sc: newScript("local t = redis.call('TIME')\nlocal v = redis.call('GET', KEYS[1])\nredis.call('SET', KEYS[1], t[1], 'PX', 1000)\nreturn t[1] .. ' ' .. t[2]\n"), args: book1Args},
-		{name: "wide", sc: newScript("local t = redis.call('TIME')\nlocal v = redis.call('GET', KEYS[1])\nredis.call('SET', KEYS[1], '1700000000123456', 'PX', 1000)\nreturn t[1] .. ' ' .. t[2]\n"), args: book1Args},
-		{name: "integer", sc: newScript("local t = redis.call('TIME')\nlocal v = redis.call('GET', KEYS[1])\nredis.call('SET', KEYS[1], string.format('%d', t[1] * 1000000 + t[2]), 'PX', 1000)\nreturn t[1] .. ' ' .. t[2]\n"), args: book1Args},
+		{name: "floor", sc: newScript(refscripts.Floor)},
+		{name: "protocol", sc: newScript(refscripts.Protocol), args: book1Args},
+		{name: "wide", sc: newScript(wide), args: book1Args},
+		{name: "integer", sc: newScript(refscripts.Integer), args: book1Args},
 		{name: "minimal", sc: newScript(minimalGCRA), args: book1Args},
 		{name: "unchecked", sc: newScript(unchecked), args: book1Args},
 		{name: "book1", sc: book1Script, args: book1Args},
@@ -153,7 +159,11 @@ func BenchmarkBook1ServerCost(b *testing.B) {
 	for _, p := range probes[1:] {
 		b.ReportMetric(ratio(p, floor), p.name+"/floor")
 	}
-	b.ReportMetric(ratio(probes[len(probes)-1], probes[3]), "book1/integer")
+	named := func(name string) *probe {
+		i := slices.IndexFunc(probes, func(p *probe) bool { return p.name == name })
+		return probes[i]
+	}
+	b.ReportMetric(ratio(named("book1"), named("integer")), "book1/integer")
 }
 
 // minimalGCRA is book1.lua's decision and replies (a refusal writes

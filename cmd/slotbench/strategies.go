@@ -8,6 +8,7 @@ import (
 	"github.com/go-redis/redis_rate/v10"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/slotbook/slotbook/internal/refscripts"
 	"github.com/slotbook/slotbook/throttle"
 )
 
@@ -63,39 +64,14 @@ return 1
 
 // Reference scripts for the cost table: what any script costs, and what
 // the three commands every GCRA here needs (TIME, GET, SET with an expiry)
-// cost, with no arithmetic at all.
+// cost, with the protocol's arguments and reply, and with the time worked
+// out and stored as an integer (internal/refscripts, which package
+// throttle's BenchmarkBook1ServerCost runs too).
 var (
-	emptyScript = redis.NewScript(`return 1`)
-	floorScript = redis.NewScript(`
-local t = redis.call('TIME')
-local v = redis.call('GET', KEYS[1])
-redis.call('SET', KEYS[1], t[1], 'PX', 1000)
-return 1
-`)
-	// protocolFloorScript is floorScript taking book1.lua's four arguments
-	// and answering as book1.lua answers an idle key (TIME's two words,
-	// joined): what slotbook's protocol adds to the three commands before
-	// any arithmetic.
-	protocolFloorScript = redis.NewScript(`
-local t = redis.call('TIME')
-local v = redis.call('GET', KEYS[1])
-redis.call('SET', KEYS[1], t[1], 'PX', 1000)
-return t[1] .. ' ' .. t[2]
-`)
-	// integerFloorScript is protocolFloorScript working out the Redis time
-	// in microseconds as a number and storing it as an integer
-	// (string.format: a Lua number past 14 digits has no exact tostring),
-	// as book1.lua works out and stores a TAT: the arithmetic on TIME's
-	// words and the formatting that a script storing a sum of
-	// microseconds (tat + step) as one integer cannot skip. The width
-	// itself costs nothing measurable (throttle's
-	// BenchmarkBook1ServerCost, its "wide" probe).
-	integerFloorScript = redis.NewScript(`
-local t = redis.call('TIME')
-local v = redis.call('GET', KEYS[1])
-redis.call('SET', KEYS[1], string.format('%d', t[1] * 1000000 + t[2]), 'PX', 1000)
-return t[1] .. ' ' .. t[2]
-`)
+	emptyScript         = redis.NewScript(`return 1`)
+	floorScript         = redis.NewScript(refscripts.Floor)
+	protocolFloorScript = redis.NewScript(refscripts.Protocol)
+	integerFloorScript  = redis.NewScript(refscripts.Integer)
 )
 
 // strategies are the ways to keep a limit measured side by side, on rdb;
