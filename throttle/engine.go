@@ -625,20 +625,12 @@ func (e *Engine) sweepRing(now time.Time) {
 	if !e.sweepAt.CompareAndSwap(due, mono+int64(e.breakers.max)) {
 		return
 	}
-	clients := e.ring.GetShardClients()
-	// The Ring's heartbeat marks a shard down (GetShardClients leaves it
-	// out) before it moves the shard's keys elsewhere, once it has pinged
-	// every shard: a hung one holds that for a read timeout. Meanwhile the
-	// shard's keys still go to it, and its breaker, closed, would let
-	// every caller of them pay the timeout at once (helper-154). Len, the
-	// shards the Ring routes to, tells that gap; the next sweep is a probe
-	// interval on.
-	if len(clients) == 0 || e.ring.Len() != len(clients) {
-		return
-	}
 	up := map[string]bool{}
-	for _, c := range clients {
+	for _, c := range e.ring.GetShardClients() {
 		up[c.Options().Addr] = true
+	}
+	if len(up) == 0 {
+		return
 	}
 	e.breakers.retire(func(node string) bool { return !up[node] })
 }
